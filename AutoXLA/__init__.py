@@ -1,0 +1,7 @@
+"""AutoXLA: Hugging Face models sharded over XLA device meshes."""
+from .modeling import AutoXLAModelForCausalLM
+from .sharding.mesh import MeshShape, mesh_shape_for
+from .sharding.plan import Plan, TensorPlan
+
+__version__ = "0.1.0"
+__all__ = ["AutoXLAModelForCausalLM", "MeshShape", "Plan", "TensorPlan", "mesh_shape_for"]

@@ -1,0 +1,171 @@
+"""The one place that talks to torch_xla.
+
+torch_xla is imported lazily, so that planning and the CLI's `plan` command work on machines
+without it; and the surface we use is kept small because PyTorch/XLA is expected to be replaced by
+a native TPU backend (docs/architecture.md).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+
+from .sharding.mesh import AXES, MeshShape, validate_mesh_axes
+
+
+def use_cpu_devices(count: int = 8) -> None:
+    """Ask for ``count`` virtual XLA:CPU devices, unless the environment already chose a device.
+
+    Must run before torch_xla starts its runtime; tests, the demo and the benchmarks call it.
+    """
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    if os.environ["PJRT_DEVICE"] == "CPU":
+        os.environ.setdefault("CPU_NUM_DEVICES", str(count))
+
+
+@functools.cache
+def _xla():
+    try:
+        import torch_xla
+        import torch_xla.runtime as xr
+        import torch_xla.distributed.spmd as xs
+    except ImportError as e:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "AutoXLA needs torch_xla to load models onto XLA devices: "
+            "pip install 'torch==2.9.0' 'torch_xla==2.9.0'") from e
+    return torch_xla, xr, xs
+
+
+def ensure_spmd() -> None:
+    """Turn on SPMD once, before any device is touched (torch_xla segfaults otherwise, #9735)."""
+    _, xr, _ = _xla()
+    if not xr.is_spmd():
+        xr.use_spmd()
+
+
+def device() -> torch.device:
+    ensure_spmd()
+    torch_xla, _, _ = _xla()
+    return torch_xla.device()
+
+
+def device_count() -> int:
+    ensure_spmd()
+    _, xr, _ = _xla()
+    return xr.global_runtime_device_count()
+
+
+def sync() -> None:
+    torch_xla, _, _ = _xla()
+    torch_xla.sync()
+
+
+def make_mesh(shape: MeshShape):
+    """A torch_xla Mesh over all devices with axes ("data", "fsdp", "model")."""
+    _, _, xs = _xla()
+    n = device_count()
+    if shape.num_devices != n:
+        raise ValueError(f"mesh {shape} needs {shape.num_devices} devices, the runtime has {n}")
+    return xs.Mesh(np.arange(n), shape.sizes, AXES)
+
+
+def check_user_mesh(mesh) -> MeshShape:
+    """Validates a user-supplied torch_xla Mesh and returns its axis sizes."""
+    names = getattr(mesh, "axis_names", None)
+    sizes = getattr(mesh, "mesh_shape", None)
+    if sizes is None or not hasattr(mesh, "get_op_sharding"):
+        raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+    return validate_mesh_axes(names, sizes, device_count())
+
+
+def set_global_mesh(mesh) -> None:
+    _, _, xs = _xla()
+    xs.set_global_mesh(mesh)
+
+
+def _coords(mesh) -> dict[int, dict[str, int]]:
+    """device id -> {axis name: index} in ``mesh``."""
+    logical = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
+    out = {}
+    for idx in np.ndindex(*logical.shape):
+        out[int(logical[idx])] = dict(zip(mesh.axis_names, idx))
+    return out
+
+
+def shard_grid(spec: tuple, mesh) -> tuple[int, ...]:
+    """Shards per tensor dimension under ``spec``."""
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    grid = []
+    for axes in spec:
+        names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        grid.append(int(np.prod([sizes[a] for a in names])) if names else 1)
+    return tuple(grid)
+
+
+def device_shard_coords(spec: tuple, mesh) -> list[tuple[int, ...]]:
+    """For device 0..N-1, the grid coordinate of the shard it holds under ``spec``.
+
+    A dimension split over several axes (a tuple) is indexed row-major in the order listed,
+    the way XLA's tile assignment lays it out; tests check this against mark_sharding.
+    """
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    coords = _coords(mesh)
+    out = []
+    for dev in range(len(coords)):
+        c = coords[dev]
+        per_dim = []
+        for axes in spec:
+            names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+            i = 0
+            for a in names:
+                i = i * sizes[a] + c[a]
+            per_dim.append(i)
+        out.append(tuple(per_dim))
+    return out
+
+
+def tensor_from_shards(shards: list[torch.Tensor], spec: tuple, mesh, shape) -> torch.Tensor:
+    """A sharded XLA tensor built from host shards, one per device in device order.
+
+    Unlike ``t.to(device)`` followed by ``mark_sharding``, this never places the whole tensor on
+    one device first (docs/benchmarks.md measures the difference).
+    """
+    torch_xla, _, _ = _xla()
+    ensure_spmd()
+    op = mesh.get_op_sharding(tuple(spec))
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, op, list(shape))
+
+
+def mark_sharding(t: torch.Tensor, mesh, spec: tuple, with_gradients: bool = False):
+    _, _, xs = _xla()
+    if with_gradients:
+        return xs.mark_sharding_with_gradients(t, mesh, tuple(spec))
+    xs.mark_sharding(t, mesh, tuple(spec))
+    return t
+
+
+def sharding_spec(t: torch.Tensor) -> str:
+    """XLA's sharding string for ``t`` ("" when unsharded); call after sync()."""
+    torch_xla, _, _ = _xla()
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def fsdpv2():
+    """torch_xla's SpmdFullyShardedDataParallel and the helpers that go with it."""
+    _xla()
+    from torch_xla.distributed.fsdp.utils import checkpoint_module
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+        SpmdFullyShardedDataParallel,
+    )
+    return SpmdFullyShardedDataParallel, transformer_auto_wrap_policy, checkpoint_module
+
+
+def compile_count() -> int:
+    """Number of XLA compilations so far in this process."""
+    _xla()
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0

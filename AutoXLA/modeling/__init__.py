@@ -1,0 +1,3 @@
+from .causal import AutoXLAModelForCausalLM
+
+__all__ = ["AutoXLAModelForCausalLM"]

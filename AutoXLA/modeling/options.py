@@ -1,0 +1,82 @@
+"""The keywords of from_pretrained, validated once at the edge."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..sharding.mesh import normalize_strategy
+
+# Keywords that belong to later features: refused loudly rather than silently ignored.
+_NOT_YET = {
+    "do_quant": "quantization (issue 3)",
+    "quantization_config": "quantization (issue 3)",
+    "attention_config": "attention kernels (issue 4)",
+}
+ATTENTION_IMPLEMENTATIONS = ("eager", "xla_flash_attention", "splash_attention")
+
+
+@dataclass
+class LoadOptions:
+    sharding_strategy: str = "fsdp"
+    auto_shard: bool = True
+    mesh: Any = None
+    use_fsdp_wrap: bool = False
+    auto_wrap_policy: Callable | None = None
+    shard_output_callable: Callable | None = None
+    gradient_checkpointing: bool = False
+    verbose: bool = False
+    dtype: Any = "auto"
+    attn_implementation: str = "eager"
+    trust_remote_code: bool = False
+    use_safetensors: bool | None = None
+    hub_kwargs: dict = field(default_factory=dict)      # revision, cache_dir, token, ...
+    config_kwargs: dict = field(default_factory=dict)   # anything else: config overrides
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "LoadOptions":
+        kwargs = dict(kwargs)
+        for key, feature in _NOT_YET.items():
+            value = kwargs.pop(key, None)
+            if value not in (None, False):
+                raise NotImplementedError(
+                    f"{key}= is part of {feature}, which this version of AutoXLA does not "
+                    f"implement yet; remove {key}= to load the model unquantized with eager attention")
+        if "torch_dtype" in kwargs and "dtype" not in kwargs:
+            kwargs["dtype"] = kwargs.pop("torch_dtype")
+        hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "local_files_only", "token",
+                                          "subfolder", "force_download") if k in kwargs}
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in cls.__dataclass_fields__
+               and k not in ("hub_kwargs", "config_kwargs")}
+        opts = cls(**own, hub_kwargs=hub, config_kwargs=kwargs)
+        opts._validate()
+        return opts
+
+    def _validate(self) -> None:
+        self.sharding_strategy = normalize_strategy(self.sharding_strategy)
+        if not self.auto_shard and self.mesh is None:
+            raise ValueError("auto_shard=False needs mesh=: pass the Mesh to shard over, or keep "
+                             "auto_shard=True to build one from sharding_strategy")
+        impl = self.attn_implementation or "eager"
+        if impl not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"unknown attn_implementation {impl!r}; use one of "
+                             f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        if impl != "eager":
+            raise NotImplementedError(
+                f"attn_implementation={impl!r} is part of attention kernels (issue 4), which this "
+                "version of AutoXLA does not implement yet; use attn_implementation='eager'")
+        self.attn_implementation = impl
+        if self.dtype not in ("auto", None) and not isinstance(self.dtype, torch.dtype):
+            if isinstance(self.dtype, str) and isinstance(getattr(torch, self.dtype, None), torch.dtype):
+                self.dtype = getattr(torch, self.dtype)
+            else:
+                raise ValueError(f"dtype={self.dtype!r} is not a torch dtype; use e.g. "
+                                 "torch.bfloat16, 'bfloat16' or 'auto' (the checkpoint's dtype)")
+        for name in ("auto_wrap_policy", "shard_output_callable"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+        if (self.auto_wrap_policy or self.shard_output_callable) and not self.use_fsdp_wrap:
+            raise ValueError("auto_wrap_policy and shard_output_callable configure the FSDPv2 "
+                             "wrapper: pass use_fsdp_wrap=True as well")

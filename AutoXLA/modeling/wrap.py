@@ -1,0 +1,95 @@
+"""Step 5: output and activation sharding, gradient checkpointing, FSDPv2."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .. import backend
+from ..sharding import rules
+from ..sharding.mesh import AXES, MeshShape
+
+
+def decoder_layer_classes(model: nn.Module) -> set[type]:
+    """The classes transformers marks as not-to-split: the decoder layers."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def _mesh_shape(mesh) -> MeshShape:
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    return MeshShape(*(sizes.get(a, 1) for a in AXES))
+
+
+def activation_spec(t: torch.Tensor, mesh) -> tuple | None:
+    """(batch on data+fsdp, sequence unsplit, hidden/vocab on model) where they divide."""
+    shape = _mesh_shape(mesh)
+    if t.dim() < 2:
+        return None
+    spec = [rules.batch_axes(shape, t.shape[0])] + [None] * (t.dim() - 1)
+    if t.dim() == 3 and shape.model > 1 and t.shape[-1] % shape.model == 0:
+        spec[-1] = "model"
+    return tuple(spec) if any(a is not None for a in spec) else None
+
+
+def shard_output(output, mesh) -> None:
+    """Annotates a model's or a decoder layer's output: a tensor, a tuple, or a ModelOutput."""
+    if isinstance(output, torch.Tensor):
+        tensors = [output]
+    elif isinstance(output, dict):   # transformers' ModelOutput is an OrderedDict
+        tensors = [v for k, v in output.items() if k in ("logits", "last_hidden_state")]
+    elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        tensors = [output[0]]
+    else:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "xla":
+            spec = activation_spec(t, mesh)
+            if spec is not None:
+                backend.mark_sharding(t, mesh, spec)
+
+
+def _no_cache_in_training(module, args, kwargs):
+    # A KV cache is useless in a checkpointed training step and would be filled twice.
+    if module.training:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
+    layer_classes = decoder_layer_classes(model)
+    checkpoint_module = backend.fsdpv2()[2] if opts.gradient_checkpointing else None
+    if opts.gradient_checkpointing:
+        if not layer_classes:
+            raise ValueError(f"gradient_checkpointing=True needs decoder layers, and "
+                             f"{type(model).__name__} declares none (_no_split_modules)")
+        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    model.autoxla_plan = plan
+    model.autoxla_mesh = mesh
+    if not opts.use_fsdp_wrap:
+        if opts.gradient_checkpointing:
+            for m in model.modules():
+                if type(m) in layer_classes:
+                    checkpoint_module(m)
+        for m in model.modules():
+            if type(m) in layer_classes:
+                m.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
+        model.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
+        return model
+    FSDPv2, transformer_auto_wrap_policy, _ = backend.fsdpv2()
+    policy = opts.auto_wrap_policy
+    if policy is None:
+        if not layer_classes:
+            raise ValueError(f"use_fsdp_wrap=True needs an auto_wrap_policy: {type(model).__name__} "
+                             "declares no decoder layer classes (_no_split_modules)")
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes)
+    wrapper_cls = None
+    if opts.gradient_checkpointing:
+        def wrapper_cls(m, *args, **kwargs):  # checkpoint first, then shard: the order torch_xla needs
+            return FSDPv2(checkpoint_module(m), *args, **kwargs)
+    wrapped = FSDPv2(model, mesh=mesh, shard_output=opts.shard_output_callable or shard_output,
+                     auto_wrap_policy=policy, auto_wrapper_callable=wrapper_cls)
+    wrapped.autoxla_plan = plan
+    wrapped.autoxla_mesh = mesh
+    return wrapped

@@ -1,0 +1,137 @@
+"""Sharding strategies as mesh shapes.
+
+Every strategy builds the same three-axis mesh ``("data", "fsdp", "model")`` and only chooses the
+axis sizes, so one rule table (rules.py) serves them all. This module is pure Python: it needs the
+device count, never the devices, so ``autoxla plan`` can run on a laptop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+AXES = ("data", "fsdp", "model")
+
+# Accepted spellings (case-insensitive) -> canonical strategy name.
+_ALIASES = {
+    "fsdp": "fsdp",
+    "dp": "dp",
+    "data_parallel": "dp",
+    "mp": "mp",
+    "model_parallel": "mp",
+    "2d": "2d",
+    "3d": "3d",
+}
+STRATEGIES = tuple(sorted(set(_ALIASES)))
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the ("data", "fsdp", "model") axes."""
+
+    data: int
+    fsdp: int
+    model: int
+
+    def __post_init__(self):
+        for axis, size in zip(AXES, self.sizes):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {axis!r} must be a positive int, got {size!r}")
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.model)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.fsdp * self.model
+
+    def size(self, axes) -> int:
+        """Number of shards a dimension gets when split over ``axes`` (a name, tuple or None)."""
+        if axes is None:
+            return 1
+        if isinstance(axes, str):
+            axes = (axes,)
+        return math.prod(dict(zip(AXES, self.sizes))[a] for a in axes)
+
+    def __str__(self) -> str:
+        return "x".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
+
+
+def normalize_strategy(strategy: str) -> str:
+    """Canonical name of a strategy, or a ValueError that lists the valid ones."""
+    if not isinstance(strategy, str) or strategy.strip().lower() not in _ALIASES:
+        raise ValueError(
+            f"unknown sharding_strategy {strategy!r}; use one of {', '.join(STRATEGIES)} "
+            "(case-insensitive), or pass mesh= with your own Mesh"
+        )
+    return _ALIASES[strategy.strip().lower()]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _balanced_split(n: int) -> tuple[int, int]:
+    """(big, small) with big * small == n and small the largest divisor <= sqrt(n)."""
+    small = max(d for d in _divisors(n) if d * d <= n)
+    return n // small, small
+
+
+def mesh_shape_for(strategy: str, num_devices: int) -> MeshShape:
+    """The mesh a strategy uses on ``num_devices`` devices.
+
+    The rule (docs/sharding.md): communication for the model axis happens inside every layer
+    (all-reduce of activations), for fsdp once per parameter (all-gather of weights), and for data
+    once per step (gradient reduction). So the axis that talks most gets the fewest devices:
+
+    * fsdp = (1, N, 1); mp = (1, 1, N); dp = (N, 1, 1)
+    * 2d   = (1, N / m, m), m the largest divisor of N with m * m <= N (8 -> 4 x 2)
+    * 3d   = (d, f, m): m the largest divisor with m**3 <= N, then d <= f split N / m as 2d does
+             (8 -> 2 x 2 x 2, 16 -> 2 x 4 x 2, 32 -> 4 x 4 x 2)
+    A prime N leaves the smaller axes at 1; the plan shows the result.
+    """
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    kind = normalize_strategy(strategy)
+    n = num_devices
+    if kind == "fsdp":
+        return MeshShape(1, n, 1)
+    if kind == "mp":
+        return MeshShape(1, 1, n)
+    if kind == "dp":
+        return MeshShape(n, 1, 1)
+    if kind == "2d":
+        fsdp, model = _balanced_split(n)
+        return MeshShape(1, fsdp, model)
+    # 3d: the model axis first (at most the cube root), then data <= fsdp from what is left.
+    model = max(d for d in _divisors(n) if d ** 3 <= n)
+    fsdp, data = _balanced_split(n // model)
+    return MeshShape(data, fsdp, model)
+
+
+def validate_mesh_axes(axis_names, mesh_shape, num_devices: int) -> MeshShape:
+    """Checks a user mesh (names and sizes); returns its MeshShape.
+
+    A user mesh must name the three axes (sizes may be 1) so that the rule table applies, and its
+    sizes must multiply to the device count, since XLA does not run sub-meshes.
+    """
+    names = tuple(axis_names or ())
+    sizes = tuple(int(s) for s in mesh_shape)
+    missing = [a for a in AXES if a not in names]
+    if missing or len(names) != len(sizes):
+        raise ValueError(
+            f"mesh axes {names} lack {missing}: AutoXLA needs a mesh with axis names "
+            f"{AXES} (use size 1 for an unused axis), e.g. "
+            f"Mesh(np.arange({num_devices}), (1, {num_devices}, 1), {AXES})"
+        )
+    extra = [a for a in names if a not in AXES]
+    if extra:
+        raise ValueError(f"mesh has unknown axes {extra}; AutoXLA meshes have exactly {AXES}")
+    total = math.prod(sizes)
+    if total != num_devices:
+        raise ValueError(
+            f"mesh shape {sizes} covers {total} devices but the runtime has {num_devices}; "
+            f"XLA needs a mesh over all devices: make the sizes multiply to {num_devices}"
+        )
+    by_name = dict(zip(names, sizes))
+    return MeshShape(*(by_name[a] for a in AXES))

@@ -1,0 +1,170 @@
+"""The Plan: for every tensor of a model, where it goes and why.
+
+A plan is plain data: it needs no weights and no devices beyond their count, prints as a table,
+and serialises to JSON. The loader executes it, tests check the loaded model against it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from . import rules
+from .mesh import AXES, MeshShape
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str            # parameter or buffer name in the (unwrapped) model
+    role: str            # rules.COLUMN, rules.ROW, ...
+    shape: tuple[int, ...]
+    dtype: str           # dtype on the device, e.g. "bfloat16"
+    spec: tuple          # partition spec over AXES, one entry per dim
+    shard_shape: tuple[int, ...]
+    bytes_per_device: int
+    reason: str = ""     # why a dimension is replicated, or "" when the rule applied as is
+    is_buffer: bool = False
+    tied_to: str = ""    # the tensor this one shares storage with (e.g. lm_head -> embed_tokens)
+    persistent: bool = True  # False for buffers that checkpoints do not hold (rotary inv_freq)
+
+    @property
+    def spec_str(self) -> str:
+        def one(a):
+            if a is None:
+                return "-"
+            return a if isinstance(a, str) else "+".join(a)
+        return "(" + ", ".join(one(a) for a in self.spec) + ")" if self.spec else "()"
+
+
+@dataclass
+class Plan:
+    model_class: str
+    strategy: str
+    mesh: MeshShape
+    dtype: str
+    tensors: list[TensorPlan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> TensorPlan:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(f"{name!r} is not in the plan of {self.model_class}")
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+    @property
+    def parameters(self) -> list[TensorPlan]:
+        return [t for t in self.tensors if not t.is_buffer]
+
+    @property
+    def replicated_for_divisibility(self) -> list[TensorPlan]:
+        return [t for t in self.tensors if t.reason]
+
+    def total_bytes(self) -> int:
+        """Model bytes (tied tensors counted once)."""
+        return sum(_nbytes(t.shape, t.dtype) for t in self.tensors if not t.tied_to)
+
+    def bytes_per_device(self) -> int:
+        return sum(t.bytes_per_device for t in self.tensors if not t.tied_to)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mesh"] = dict(zip(AXES, self.mesh.sizes))
+        d["format_version"] = 1
+        return d
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def __str__(self) -> str:
+        rows = [("tensor", "role", "shape", "dtype", "spec", "shard", "MiB/dev", "note")]
+        for t in self.tensors:
+            note = t.reason or (f"tied to {t.tied_to}" if t.tied_to else "")
+            if t.is_buffer and not t.persistent:
+                note = (note + "; " if note else "") + "computed, not loaded"
+            rows.append((t.name, t.role, _dims(t.shape), t.dtype, t.spec_str, _dims(t.shard_shape),
+                         f"{t.bytes_per_device / 2**20:.3f}", note))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        lines = [
+            f"AutoXLA plan: {self.model_class}, strategy {self.strategy}, mesh {self.mesh} "
+            f"({self.mesh.num_devices} devices), dtype {self.dtype}",
+        ]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+        total, per_dev = self.total_bytes(), self.bytes_per_device()
+        n_rep = len(self.replicated_for_divisibility)
+        lines.append(
+            f"total {total / 2**20:.2f} MiB in {len(self.parameters)} parameters; per device "
+            f"{per_dev / 2**20:.2f} MiB ({per_dev / max(total, 1):.1%} of the model); "
+            f"{n_rep} tensor(s) replicated for divisibility")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _dims(shape) -> str:
+    return "x".join(str(s) for s in shape) if shape else "scalar"
+
+
+def _nbytes(shape, dtype: str) -> int:
+    return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
+               dtype: torch.dtype | None = None, tied: dict[str, str] | None = None) -> Plan:
+    """The plan for ``model`` (usually on the meta device) on a mesh of shape ``mesh``.
+
+    ``tied`` maps a tensor name to the name whose storage it shares (transformers' tied weights);
+    a tied tensor takes its source's spec, since one buffer cannot hold two layouts.
+    """
+    tied = dict(tied or {})
+    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    modules = dict(model.named_modules())
+    persistent = _persistent_buffer_names(model)
+    entries: dict[str, TensorPlan] = {}
+    named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False)]
+    named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
+    for name, tensor, is_buffer in named:
+        owner = modules[name.rsplit(".", 1)[0]] if "." in name else model
+        rule = rules.classify(name, tensor, owner, output_embedding, config, is_buffer)
+        shape = tuple(tensor.shape)
+        spec, reasons = rules.resolve_spec(rule, shape, mesh)
+        tdtype = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        entries[name] = _entry(name, rule.role, shape, dtype_name(tdtype), spec, mesh,
+                               "; ".join(reasons), is_buffer, persistent=name in persistent or not is_buffer)
+    for target, source in tied.items():
+        if target in entries and source in entries:
+            src = entries[source]
+            t = entries[target]
+            entries[target] = _entry(target, t.role, t.shape, src.dtype, src.spec, mesh, src.reason,
+                                     t.is_buffer, tied_to=source)
+    return Plan(model_class=type(model).__name__, strategy=strategy, mesh=mesh,
+                dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
+                tensors=list(entries.values()))
+
+
+def _entry(name, role, shape, dtype, spec, mesh, reason, is_buffer, tied_to="", persistent=True):
+    shard = tuple(s // mesh.size(a) for s, a in zip(shape, spec))
+    return TensorPlan(name=name, role=role, shape=shape, dtype=dtype, spec=spec, shard_shape=shard,
+                      bytes_per_device=_nbytes(shard, dtype), reason=reason, is_buffer=is_buffer,
+                      tied_to=tied_to, persistent=persistent)
+
+
+def _persistent_buffer_names(model: nn.Module) -> set[str]:
+    names = set()
+    for mod_name, mod in model.named_modules():
+        for b in mod._buffers:
+            if b not in mod._non_persistent_buffers_set:
+                names.add(f"{mod_name}.{b}" if mod_name else b)
+    return names

@@ -1,0 +1,132 @@
+"""Tensor role -> partition spec (DESIGN.md section 3).
+
+Roles come from the module type and position; names are only hints for which side of a
+column/row pair a linear sits on. Specs follow the Megatron convention on the mesh axes
+("data", "fsdp", "model"): a column-parallel linear followed by a row-parallel one needs a single
+all-reduce. Weights are never split over "data" (3d replicates them there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .mesh import MeshShape
+
+# Name hints (the last component of the module path).
+COLUMN_NAMES = frozenset({
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "qkv", "query", "key", "value", "query_key_value",
+    "gate_proj", "up_proj", "gate_up_proj", "fc1", "lin1", "linear1", "w1", "w3", "c_fc",
+    "wi", "wi_0", "wi_1", "dense_h_to_4h", "c_attn", "in_proj",
+})
+ROW_NAMES = frozenset({
+    "o_proj", "out_proj", "down_proj", "fc2", "lin2", "linear2", "w2", "proj", "dense_4h_to_h",
+    "c_proj", "wo",
+})
+# Which config field counts the heads a projection holds (split by whole heads only).
+_HEAD_FIELDS = {
+    "q_proj": "num_attention_heads", "query": "num_attention_heads",
+    "k_proj": "num_key_value_heads", "key": "num_key_value_heads",
+    "v_proj": "num_key_value_heads", "value": "num_key_value_heads",
+    "o_proj": "num_attention_heads",
+}
+
+COLUMN, ROW, LINEAR = "column_linear", "row_linear", "linear"
+EMBEDDING, LM_HEAD, NORM, BIAS = "vocab_embedding", "lm_head", "norm", "bias"
+CONV, BUFFER, OTHER = "conv", "buffer", "other"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A role and the spec it asks for, before divisibility is checked."""
+
+    role: str
+    spec: tuple
+    heads: tuple | None = None  # (dim, head count) when the dim must split by whole heads
+
+
+def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embedding: nn.Module | None,
+             config, is_buffer: bool) -> Rule:
+    """The rule for one parameter or buffer named ``name`` owned by ``module``."""
+    leaf = name.rsplit(".", 1)[-1]
+    mod_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    rank = tensor.dim()
+    if is_buffer:
+        return Rule(BUFFER, (None,) * rank)
+    if isinstance(module, nn.Embedding) and leaf == "weight":
+        return Rule(EMBEDDING, ("fsdp", "model"))
+    if isinstance(module, nn.Linear):
+        if module is output_embedding:
+            return Rule(LM_HEAD, ("model", "fsdp") if leaf == "weight" else ("model",))
+        heads = _head_count(mod_name, config)
+        if mod_name in COLUMN_NAMES:
+            if leaf == "weight":
+                return Rule(COLUMN, ("model", "fsdp"), (0, heads) if heads else None)
+            return Rule(BIAS, ("model",), (0, heads) if heads else None)
+        if mod_name in ROW_NAMES:
+            if leaf == "weight":
+                return Rule(ROW, ("fsdp", "model"), (1, heads) if heads else None)
+            return Rule(BIAS, ("fsdp",))
+        # An unrecognised linear gets plain FSDP on its output dim: always correct, never clever.
+        return Rule(LINEAR, ("fsdp", None) if leaf == "weight" else ("fsdp",))
+    if isinstance(module, nn.modules.conv._ConvNd) and leaf == "weight":
+        return Rule(CONV, ("fsdp",) + (None,) * (rank - 1))
+    if rank == 1 and ("norm" in type(module).__name__.lower() or "norm" in mod_name.lower()
+                      or mod_name.lower().startswith("ln")):
+        return Rule(NORM, ("fsdp",))
+    if rank == 0:
+        return Rule(OTHER, ())
+    # Anything else: FSDP on the largest dim, as FSDPv2 itself would do.
+    spec = [None] * rank
+    spec[max(range(rank), key=lambda d: tensor.shape[d])] = "fsdp"
+    return Rule(OTHER, tuple(spec))
+
+
+def _head_count(mod_name: str, config) -> int | None:
+    field = _HEAD_FIELDS.get(mod_name)
+    if field is None or config is None:
+        return None
+    value = getattr(config, field, None)
+    if value is None and field == "num_key_value_heads":
+        value = getattr(config, "num_attention_heads", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def resolve_spec(rule: Rule, shape: tuple[int, ...], mesh: MeshShape) -> tuple[tuple, list[str]]:
+    """The rule's spec made legal for ``shape`` on ``mesh``, and the reasons for what it dropped.
+
+    Axes of size 1 are dropped (they split nothing); a dimension that its axes do not divide, or a
+    projection whose heads they do not divide, is replicated on them and the reason is kept.
+    """
+    spec, reasons = [], []
+    for dim, axes in enumerate(rule.spec):
+        if axes is None:
+            spec.append(None)
+            continue
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        names = tuple(a for a in names if mesh.size(a) > 1)
+        size = mesh.size(names)
+        if not names:
+            spec.append(None)
+            continue
+        if rule.heads is not None and rule.heads[0] == dim and rule.heads[1] % size:
+            reasons.append(f"replicated on {'+'.join(names)}: {rule.heads[1]} heads do not divide "
+                           f"{'x'.join(names)}={size}")
+            spec.append(None)
+            continue
+        if shape[dim] % size:
+            reasons.append(f"replicated on {'+'.join(names)}: dim {dim} ({shape[dim]}) does not "
+                           f"divide {'x'.join(names)}={size}")
+            spec.append(None)
+            continue
+        spec.append(names[0] if len(names) == 1 else names)
+    return tuple(spec), reasons
+
+
+def batch_axes(mesh: MeshShape, batch_size: int | None = None):
+    """Axes that split the batch dimension of activations, inputs and outputs."""
+    names = tuple(a for a in ("data", "fsdp") if mesh.size(a) > 1)
+    if not names or (batch_size is not None and batch_size % mesh.size(names)):
+        return None
+    return names[0] if len(names) == 1 else names

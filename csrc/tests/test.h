@@ -1,0 +1,29 @@
+/* test.h - tiny assertion macros shared by the C test files. */
+#ifndef AXL_TEST_H
+#define AXL_TEST_H
+
+#include <stdio.h>
+
+extern int axl_tests_passed, axl_tests_failed;
+
+/* Counts one check; on failure prints where, the expression and a printf-style detail. */
+#define CHECK_MSG(cond, ...)                                                   \
+    do {                                                                       \
+        if (cond) {                                                            \
+            axl_tests_passed++;                                                \
+        } else {                                                               \
+            axl_tests_failed++;                                                \
+            fprintf(stderr, "%s:%d: FAILED %s: ", __FILE__, __LINE__, #cond); \
+            fprintf(stderr, __VA_ARGS__);                                      \
+            fputc('\n', stderr);                                               \
+        }                                                                      \
+    } while (0)
+
+#define CHECK(cond) CHECK_MSG(cond, "%s", "")
+#define CHECK_EQ(a, b) \
+    CHECK_MSG((long long)(a) == (long long)(b), "%lld != %lld", (long long)(a), (long long)(b))
+
+/* One entry per test file, called from main() in test_core.c. */
+void test_convert(void);
+
+#endif /* AXL_TEST_H */

@@ -1,0 +1,19 @@
+"""Builds the C core (csrc/) into a plain shared library inside the package.
+
+It is compiled as an Extension only so that `pip install` builds it; it exports no Python
+module init and is loaded with ctypes by AutoXLA/_native.py.
+"""
+import glob
+
+from setuptools import Extension, setup
+
+core = Extension(
+    "AutoXLA._axl_core",
+    sources=sorted(glob.glob("csrc/src/*.c")),
+    include_dirs=["csrc/include"],
+    extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra"],
+    extra_link_args=["-pthread"],
+    py_limited_api=False,
+)
+
+setup(ext_modules=[core])

@@ -1,0 +1,67 @@
+"""Test harness: 8 virtual XLA:CPU devices with SPMD, and tiny checkpoints built once per session.
+
+The environment must be set before torch_xla starts its runtime (the device count is cached), so
+it is set here, at import, before any test module imports torch_xla.
+"""
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # XLA's GSPMD deprecation banner, once per graph
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach the hub
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+@pytest.fixture(scope="session")
+def xla_devices():
+    """Turns on SPMD once and returns the device count; skips if fewer than 8 devices exist."""
+    from AutoXLA import backend
+
+    backend.ensure_spmd()
+    n = backend.device_count()
+    if n < NUM_DEVICES:
+        pytest.skip(f"needs {NUM_DEVICES} XLA devices, the runtime has {n} "
+                    "(set CPU_NUM_DEVICES=8 before torch_xla starts)")
+    return n
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """family -> directory of a tiny random checkpoint (several safetensors shards + index)."""
+    from AutoXLA.tiny import available_families, save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {f: save_tiny_checkpoint(f, root / f, seed=i) for i, f in enumerate(available_families())}
+
+
+@pytest.fixture(scope="session")
+def reference_models(checkpoints):
+    """family -> the same checkpoint in plain transformers on the CPU, fp32, eager attention.
+
+    fp32 rather than fp64: in fp64, transformers' eager masking turns fully padded rows into NaN
+    that leaks into valid rows through 0 * NaN (seen with Gemma2), so fp64 is not a usable oracle.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = AutoModelForCausalLM.from_pretrained(
+                checkpoints[family], dtype=torch.float32, attn_implementation="eager").eval()
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def batch():
+    """Two sequences, the second left-padded with 3 pad tokens (pad id 0)."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+                        [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    return ids, (ids != 0).long()

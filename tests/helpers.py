@@ -1,0 +1,70 @@
+"""Shared checks for the model tests."""
+import functools
+
+import torch
+
+# Logits are compared in fp32 against fp32 transformers on the CPU. The sharded program reorders
+# fp32 sums (partial matmuls over fsdp/model shards, then all-reduce): each reordering costs a few
+# ulps per accumulation, over reductions of <= 128 terms, 2 layers and ~10 ops each, on logits of
+# magnitude <= ~10. 1e-4 absolute + 1e-4 relative covers that with margin (observed ~1e-5), while a
+# wrong shard, mask or position changes logits by O(0.1-1).
+LOGIT_ATOL = 1e-4
+LOGIT_RTOL = 1e-4
+
+
+def assert_close(actual, expected, atol=LOGIT_ATOL, rtol=LOGIT_RTOL, what="logits"):
+    actual, expected = actual.double(), expected.double()
+    diff = (actual - expected).abs()
+    bound = atol + rtol * expected.abs()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    assert (diff <= bound).all(), (
+        f"{what}: max |diff| {diff.max().item():.3e} exceeds atol {atol} + rtol {rtol} "
+        f"(max |expected| {expected.abs().max().item():.3e})")
+
+
+@functools.cache
+def reference_sharding_string(shape, spec, mesh_key):
+    """The sharding string torch_xla's own mark_sharding gives a fresh tensor of this shape/spec."""
+    from AutoXLA import backend
+
+    mesh = _MESHES[mesh_key]
+    t = torch.zeros(shape).to(backend.device())
+    backend.mark_sharding(t, mesh, spec)
+    backend.sync()
+    return backend.sharding_spec(t)
+
+
+_MESHES = {}
+
+
+def check_sharding_matches_plan(model, plan, mesh, checkpoint_dir=None):
+    """Every parameter's actual sharding is the one the plan states; its shards hold the right data."""
+    from AutoXLA import backend
+    from torch_xla.distributed.spmd import XLAShardedTensor
+
+    _MESHES[id(mesh)] = mesh
+    backend.sync()
+    inner = getattr(model, "module", model)
+    params = dict(_unwrapped_named_parameters(inner))
+    checked = 0
+    for t in plan.parameters:
+        p = params[t.name]
+        actual = backend.sharding_spec(p)
+        expected = reference_sharding_string(tuple(t.shape), t.spec, id(mesh))
+        if all(a is None for a in t.spec):
+            assert actual in ("{replicated}", ""), f"{t.name}: planned replicated, is {actual}"
+        else:
+            assert actual == expected, f"{t.name}: planned {t.spec_str} ({expected}), is {actual}"
+        full = p.detach().cpu()
+        for shard in XLAShardedTensor(p.detach()).local_shards:
+            assert tuple(shard.data.shape) == tuple(t.shard_shape), (
+                f"{t.name}: shard shape {tuple(shard.data.shape)} != planned {t.shard_shape}")
+            assert torch.equal(shard.data, full[tuple(shard.indices)]), f"{t.name}: shard data misplaced"
+        checked += 1
+    return checked
+
+
+def _unwrapped_named_parameters(module):
+    """Parameter names as the plan states them: FSDPv2 wrappers add `_orig_module.` to the path."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        yield name.replace("_orig_module.", ""), p
