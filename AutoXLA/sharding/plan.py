@@ -140,7 +140,10 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
         rule = rules.classify(name, tensor, owner, output_embedding, config, is_buffer)
         shape = tuple(tensor.shape)
         spec, reasons = rules.resolve_spec(rule, shape, mesh)
-        tdtype = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        # Buffers keep the dtype their module built them in (rotary inv_freq stays fp32 in a bf16
+        # model, as in transformers); floating parameters take the load dtype.
+        floating = tensor.is_floating_point() and not is_buffer
+        tdtype = dtype if (dtype is not None and floating) else tensor.dtype
         entries[name] = _entry(name, rule.role, shape, dtype_name(tdtype), spec, mesh,
                                "; ".join(reasons), is_buffer, persistent=name in persistent or not is_buffer)
     for target, source in tied.items():

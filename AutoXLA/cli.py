@@ -1,0 +1,90 @@
+"""The `autoxla` command.
+
+    autoxla plan PATH_OR_CONFIG [--strategy 2d] [--devices 8] [--dtype bf16] [--json]
+        The sharding plan of a checkpoint from its config alone: no weights, no XLA devices.
+    autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
+        The main job end to end on the embedded tiny model: build a checkpoint, print its plan,
+        load it sharded on virtual XLA:CPU devices, generate, check against plain transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
+
+
+def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, dtype=None):
+    """The Plan of a causal LM checkpoint, computed from its config on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+    from .modeling.empty import parameters_on_meta
+    from .modeling.pipeline import _resolve_dtype
+    from .sharding.mesh import mesh_shape_for, normalize_strategy
+    from .sharding.plan import build_plan
+
+    if isinstance(path_or_config, PretrainedConfig):
+        config = path_or_config
+    else:
+        path = os.fspath(path_or_config)
+        if os.path.isfile(path):            # a config.json given directly
+            path = os.path.dirname(os.path.abspath(path))
+        config = AutoConfig.from_pretrained(path)
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
+        dtype = getattr(torch, _DTYPES[dtype.lower()])
+    dtype = _resolve_dtype(dtype if dtype is not None else "auto", config)
+    strategy = normalize_strategy(strategy)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    return build_plan(model, config, mesh_shape_for(strategy, devices), strategy, dtype, tied)
+
+
+def _cmd_plan(args) -> int:
+    plan = plan_from_config(args.path, args.strategy, args.devices, args.dtype)
+    print(plan.to_json(indent=1) if args.json else plan)
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from . import backend
+
+    backend.use_cpu_devices(args.devices)
+    from .demo import run_demo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return 0 if run_demo(args.dir or tmp, strategy=args.strategy) else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="autoxla", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the sharding plan of a checkpoint from its config")
+    p.add_argument("path", help="checkpoint directory, config.json, or hub id")
+    p.add_argument("--strategy", default="fsdp", help="fsdp, dp, mp, 2d or 3d (default fsdp)")
+    p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
+    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_plan)
+    d = sub.add_parser("demo", help="build, plan, load, generate and check the tiny default model")
+    d.add_argument("--strategy", default="2d")
+    d.add_argument("--devices", type=int, default=8)
+    d.add_argument("--dir", default=None, help="where to write the checkpoint (default: temporary)")
+    d.set_defaults(func=_cmd_demo)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        print(f"autoxla: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

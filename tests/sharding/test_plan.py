@@ -1,0 +1,105 @@
+"""Plans from a config alone: roles, specs, reasons, ties, totals, the CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from AutoXLA.cli import main, plan_from_config
+
+
+def test_roles_and_specs_follow_the_megatron_convention(checkpoints):
+    plan = plan_from_config(checkpoints["llama"], "2d", 8)
+    roles = {t.name.split(".")[-2]: (t.role, t.spec) for t in plan.parameters}
+    assert roles["q_proj"] == ("column_linear", ("model", "fsdp"))
+    assert roles["gate_proj"] == ("column_linear", ("model", "fsdp"))
+    assert roles["o_proj"] == ("row_linear", ("fsdp", "model"))
+    assert roles["down_proj"] == ("row_linear", ("fsdp", "model"))
+    assert roles["embed_tokens"] == ("vocab_embedding", ("fsdp", "model"))
+    assert roles["lm_head"] == ("lm_head", ("model", "fsdp"))
+    assert plan["model.norm.weight"].role == "norm"
+    assert plan["model.rotary_emb.inv_freq"].role == "buffer"
+    assert not plan["model.rotary_emb.inv_freq"].persistent
+
+
+def test_shard_shapes_and_bytes(checkpoints):
+    plan = plan_from_config(checkpoints["llama"], "2d", 8, "bf16")
+    q = plan["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (64, 64) and q.shard_shape == (32, 16)      # model=2 on out, fsdp=4 on in
+    assert q.bytes_per_device == 32 * 16 * 2 and q.dtype == "bfloat16"
+    assert plan["model.rotary_emb.inv_freq"].dtype == "float32"   # buffers keep their dtype
+    assert plan.bytes_per_device() < plan.total_bytes() / 4
+
+
+def test_gqa_heads_decide_the_split(checkpoints):
+    # Gemma2 fixture: 6 query heads, 3 kv heads. On 2d (model=2) q splits, k/v do not.
+    plan = plan_from_config(checkpoints["gemma2"], "2d", 8)
+    assert plan["model.layers.0.self_attn.q_proj.weight"].spec == ("model", "fsdp")
+    k = plan["model.layers.0.self_attn.k_proj.weight"]
+    assert k.spec == (None, "fsdp")
+    assert k.reason == "replicated on model: 3 heads do not divide model=2"
+
+
+def test_dims_that_do_not_divide_are_replicated_with_reason(checkpoints):
+    # Qwen3 fixture: vocab 250 and intermediate 77 divide nothing on 8 devices.
+    plan = plan_from_config(checkpoints["qwen3"], "fsdp", 8)
+    emb = plan["model.embed_tokens.weight"]
+    assert emb.spec == (None, None) and "dim 0 (250) does not divide fsdp=8" in emb.reason
+    assert emb.name in {t.name for t in plan.replicated_for_divisibility}
+    up = plan_from_config(checkpoints["qwen3"], "2d", 8)["model.layers.0.mlp.up_proj.weight"]
+    assert up.spec == (None, "fsdp")   # out dim 77 stays whole on model=2, in dim 64 splits
+    assert up.reason == "replicated on model: dim 0 (77) does not divide model=2"
+
+
+def test_tied_weights_share_the_source_spec(checkpoints):
+    plan = plan_from_config(checkpoints["gemma2"], "2d", 8)
+    head, emb = plan["lm_head.weight"], plan["model.embed_tokens.weight"]
+    assert head.tied_to == emb.name and head.spec == emb.spec
+    # A tied tensor is stored once: totals count it once.
+    untied = plan_from_config(checkpoints["llama"], "2d", 8)
+    assert not any(t.tied_to for t in untied)
+    assert plan.total_bytes() == sum(_full_bytes(t) for t in plan
+                                     if not t.tied_to)
+
+
+def _full_bytes(t):
+    import math
+
+    return math.prod(t.shape) * {"float32": 4, "bfloat16": 2, "float16": 2}[t.dtype]
+
+
+def test_dp_replicates_everything(checkpoints):
+    plan = plan_from_config(checkpoints["mistral"], "dp", 8)
+    assert all(all(a is None for a in t.spec) for t in plan)
+    assert plan.bytes_per_device() == plan.total_bytes()
+
+
+def test_plan_prints_a_table_with_totals(checkpoints):
+    text = str(plan_from_config(checkpoints["llama"], "mp", 8))
+    assert text.startswith("AutoXLA plan: LlamaForCausalLM, strategy mp, mesh data=1xfsdp=1xmodel=8")
+    assert "2 heads do not divide model=8" in text
+    assert "per device" in text.splitlines()[-1] and "replicated for divisibility" in text
+
+
+def test_plan_json_round_trips(checkpoints):
+    plan = plan_from_config(checkpoints["llama"], "3d", 8)
+    data = json.loads(plan.to_json())
+    assert data["mesh"] == {"data": 2, "fsdp": 2, "model": 2}
+    assert len(data["tensors"]) == len(plan)
+
+
+def test_cli_plan_from_config_without_devices(checkpoints, tmp_path):
+    # Only config.json, no weights, in a fresh interpreter that must not start torch_xla.
+    (tmp_path / "config.json").write_text((checkpoints["qwen3"] / "config.json").read_text())
+    code = ("import sys; from AutoXLA.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch_xla' not in sys.modules, 'plan must not import torch_xla'; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, "plan", str(tmp_path / "config.json"),
+                          "--strategy", "2d", "--devices", "16", "--dtype", "bf16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Qwen3ForCausalLM, strategy 2d, mesh data=1xfsdp=4xmodel=4 (16 devices), dtype bfloat16" in out.stdout
+
+
+def test_cli_reports_bad_input(capsys, checkpoints):
+    assert main(["plan", str(checkpoints["llama"]), "--strategy", "4d"]) == 2
+    assert "unknown sharding_strategy '4d'" in capsys.readouterr().err
