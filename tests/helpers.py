@@ -37,7 +37,7 @@ def reference_sharding_string(shape, spec, mesh_key):
 _MESHES = {}
 
 
-def check_sharding_matches_plan(model, plan, mesh, checkpoint_dir=None):
+def check_sharding_matches_plan(model, plan, mesh):
     """Every parameter's actual sharding is the one the plan states; its shards hold the right data."""
     from AutoXLA import backend
     from torch_xla.distributed.spmd import XLAShardedTensor
@@ -59,7 +59,8 @@ def check_sharding_matches_plan(model, plan, mesh, checkpoint_dir=None):
         for shard in XLAShardedTensor(p.detach()).local_shards:
             assert tuple(shard.data.shape) == tuple(t.shard_shape), (
                 f"{t.name}: shard shape {tuple(shard.data.shape)} != planned {t.shard_shape}")
-            assert torch.equal(shard.data, full[tuple(shard.indices)]), f"{t.name}: shard data misplaced"
+            idx = shard.indices if shard.indices is Ellipsis else tuple(shard.indices)
+            assert torch.equal(shard.data, full[idx]), f"{t.name}: shard data misplaced"
         checked += 1
     return checked
 
