@@ -20,7 +20,7 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def shard_grid_tensors(record: TensorRecord, grid: tuple[int, ...], dtype: torch.dtype,
                        nthreads: int = 0) -> list[torch.Tensor]:
     """The tensor's shards in row-major grid order, each contiguous and of ``dtype``."""
-    if record.dtype in NATIVE_DTYPES and dtype in NATIVE_DTYPES and record.shape and hasattr(_native, 'read_shards'):
+    if record.dtype in NATIVE_DTYPES and dtype in NATIVE_DTYPES and record.shape:
         return _native.read_shards(record.path, record.offset, record.dtype, record.shape, grid,
                                    dtype, nthreads=nthreads)
     # Integer, bool and float64 tensors (rare, small: buffers, masks) take the torch path.
@@ -29,10 +29,8 @@ def shard_grid_tensors(record: TensorRecord, grid: tuple[int, ...], dtype: torch
 
 def read_whole(record: TensorRecord) -> torch.Tensor:
     """The whole tensor, copied out of its file (for the few tensors the C path does not take)."""
-    elem = torch.empty((), dtype=record.dtype).element_size()
     raw = np.fromfile(record.path, dtype=np.uint8, count=record.nbytes, offset=record.offset)
-    flat = torch.from_numpy(raw)
-    return flat.view(record.dtype).reshape(record.shape) if elem else flat
+    return torch.from_numpy(raw).view(record.dtype).reshape(record.shape)
 
 
 def split_grid(t: torch.Tensor, grid: tuple[int, ...]) -> list[torch.Tensor]:
@@ -58,7 +56,7 @@ def tensor_to_device(t: torch.Tensor, spec: tuple, mesh, dtype: torch.dtype | No
     """An in-memory host tensor (buffers, pickle weights, from_model) to a sharded XLA tensor."""
     grid = backend.shard_grid(spec, mesh)
     dtype = dtype or t.dtype
-    if t.dtype in NATIVE_DTYPES and dtype in NATIVE_DTYPES and t.dim() > 0 and hasattr(_native, 'scatter_shards'):
+    if t.dtype in NATIVE_DTYPES and dtype in NATIVE_DTYPES and t.dim() > 0:
         shards = _native.scatter_shards(t.contiguous(), grid, dtype, nthreads=nthreads)
     else:
         shards = split_grid(t.to(dtype), grid)

@@ -21,10 +21,13 @@ extern "C" {
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
  * _native.py refuses a library whose axl_abi_version() differs from its own. */
-#define AXL_ABI_VERSION 1
+#define AXL_ABI_VERSION 2
 
 /* Threads a single call may use; larger requests are clamped to this. */
 #define AXL_MAX_THREADS 256
+
+/* Most dimensions a tensor passed to axl_scatter_shards / axl_read_shards may have. */
+#define AXL_MAX_NDIM 8
 
 /* Status codes. Values are part of the ABI: append, never renumber. */
 typedef enum axl_status {
@@ -38,6 +41,7 @@ typedef enum axl_status {
     AXL_ERR_NON_FINITE = 7,      /* NaN or Inf where the function forbids them */
     AXL_ERR_MISALIGNED = 8,      /* pointer not aligned to its element size */
     AXL_ERR_OVERLAP = 9,         /* input and output buffers overlap */
+    AXL_ERR_IO = 10,             /* a file cannot be opened or read, or ends too early */
     AXL_STATUS_COUNT             /* number of codes above; not a status */
 } axl_status;
 
@@ -110,6 +114,67 @@ AXL_API int axl_num_cpus(void);
  * AXL_ERR_RESOURCE and dst is partly written. */
 AXL_API int axl_convert(const void *src, int src_dtype, void *dst, int dst_dtype, int64_t n,
                         int nthreads, int isa);
+
+/* ---- shard slicing ---------------------------------------------------------------------
+ * A dense row-major tensor of `shape` (ndim 1..AXL_MAX_NDIM dims) is cut into a grid of
+ * grid[d] equal blocks along each dim d: grid[d] >= 1 divides shape[d] (1 = dim not split).
+ * Block k, in row-major order over the grid (the last grid dim varies fastest), is written
+ * to dsts[k] as a dense row-major array, converted to dst_dtype:
+ *   src is (shape[0], ..., shape[ndim-1]) of src_dtype;
+ *   dsts[k] is (shape[0]/grid[0], ..., shape[ndim-1]/grid[ndim-1]) of dst_dtype, for
+ *   k = 0 .. prod(grid)-1, and block k holds the elements whose index i satisfies
+ *   k == sum_d (i[d] / (shape[d]/grid[d])) * prod(grid[d+1 .. ndim-1]).
+ * The conversion is axl_convert's (same kernels, same bits; F32/BF16/F16 in all 9 pairs).
+ *
+ * Argument rules shared by both functions:
+ *   ndim outside 1..AXL_MAX_NDIM, shape[d] < 0, grid[d] < 1, grid[d] not dividing
+ *   shape[d], or more than PTRDIFF_MAX/4 elements: AXL_ERR_BAD_SIZE. shape and grid are
+ *   never NULL. A tensor with 0 elements is valid and nothing is done: then src, dsts,
+ *   path and scratch may be NULL and no file is opened. Otherwise every pointer must be
+ *   non-NULL and aligned to its element size (AXL_ERR_MISALIGNED), and no two of the
+ *   buffers (src or scratch, and the blocks) may overlap (AXL_ERR_OVERLAP).
+ *   nthreads and isa as for axl_convert; a tensor with few elements stays on the calling
+ *   thread. If a worker thread cannot be created the call returns AXL_ERR_RESOURCE and
+ *   the blocks are partly written. The overlap check allocates prod(grid) + 1 entries
+ *   when there are more than 63 blocks (the only allocation, before any work); if that
+ *   fails: AXL_ERR_RESOURCE. */
+
+/* Blocks of the in-memory tensor src. Threads split the elements of src evenly,
+ * whatever the shape and grid. */
+AXL_API int axl_scatter_shards(const void *src, int src_dtype, int ndim, const int64_t *shape,
+                               const int64_t *grid, void *const *dsts, int dst_dtype,
+                               int nthreads, int isa);
+
+/* Blocks of the tensor whose bytes lie in the file `path` from byte `offset` on, laid out
+ * as src would be in memory (as in a safetensors file, little-endian), without ever holding
+ * the whole tensor in memory: the file is read with pread in chunks of whole rows, staged
+ * in the caller's scratch buffer, and each chunk is converted straight into the blocks.
+ * A row is one slab of dim 0:
+ *   row_bytes = shape[1] * ... * shape[ndim-1] * size of src_dtype (one element if ndim 1).
+ * The call uses T threads, which take chunks in file order, each reading into its own
+ * part of scratch:
+ *   T = min(nthreads (0: axl_num_cpus()), AXL_MAX_THREADS,
+ *           max(1, shape[0] / ceil(1 MiB / row_bytes)))
+ * i.e. at least 1 MiB of the file per thread. scratch (scratch_bytes, aligned to the
+ * src_dtype size) must hold T rows: scratch_bytes >= T * row_bytes, else AXL_ERR_BAD_SIZE.
+ * A chunk is scratch_bytes / T rounded down to whole rows, but at most ceil(shape[0] / T)
+ * rows; more scratch means fewer, larger reads. axl_read_shards_scratch_bytes gives a size.
+ * offset < 0, scratch_bytes < 0, or offset + the tensor's bytes above INT64_MAX:
+ * AXL_ERR_BAD_SIZE (also for a tensor with 0 elements). The file
+ * is opened once (O_RDONLY | O_CLOEXEC), shared by the threads, and closed before the call
+ * returns, on every path. A file that cannot be opened or read, or that ends before
+ * offset + the tensor's bytes: AXL_ERR_IO, and the blocks are partly written. */
+AXL_API int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
+                            const int64_t *shape, const int64_t *grid, void *const *dsts,
+                            int dst_dtype, void *scratch, int64_t scratch_bytes, int nthreads,
+                            int isa);
+
+/* A scratch_bytes for axl_read_shards with the same src_dtype, ndim, shape and nthreads:
+ * T (as above) times up to 8 MiB of whole rows, at least one row, at most a thread's
+ * share of the rows; always enough, and 0 for a tensor with 0 elements. A bad argument
+ * (dtype, ndim, shape, nthreads; a NULL shape) gives the negated axl_status instead. */
+AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int64_t *shape,
+                                              int nthreads);
 
 #ifdef __cplusplus
 }

@@ -27,6 +27,10 @@ static const axl_convert_fn convert_kernels[AXL_ISA_COUNT][3][3] = {
 #endif
 };
 
+axl_convert_fn axl_convert_kernel(int isa, int src_dtype, int dst_dtype) {
+    return convert_kernels[isa][src_dtype][dst_dtype];
+}
+
 typedef struct convert_job {
     axl_convert_fn fn; /* NULL: copy */
     const char *src;
@@ -64,7 +68,7 @@ int axl_convert(const void *src, int src_dtype, void *dst, int dst_dtype, int64_
     if (s0 % ss || d0 % ds) return AXL_ERR_MISALIGNED;
     if (s0 < d0 + (uint64_t)n * ds && d0 < s0 + (uint64_t)n * ss) return AXL_ERR_OVERLAP;
 
-    convert_job job = {convert_kernels[isa][src_dtype][dst_dtype], src, dst, ss, ds};
+    convert_job job = {axl_convert_kernel(isa, src_dtype, dst_dtype), src, dst, ss, ds};
     if (nthreads == 0) nthreads = axl_num_cpus();
     return axl_parallel_for(n, nthreads, MIN_PER_THREAD, convert_range, &job);
 }

@@ -13,6 +13,7 @@ const char *axl_strerror(int code) {
     case AXL_ERR_NON_FINITE: return "input holds NaN or Inf where only finite values are allowed";
     case AXL_ERR_MISALIGNED: return "pointer is not aligned to its element size";
     case AXL_ERR_OVERLAP: return "input and output buffers overlap";
+    case AXL_ERR_IO: return "a file cannot be opened or read, or ends too early";
     default: return "unknown status code";
     }
 }

@@ -53,4 +53,10 @@ AXL_DECLARE_CONVERT(avx2)
 AXL_DECLARE_CONVERT(avx512)
 #endif
 
+/* The kernel converting src_dtype to dst_dtype with a resolved isa (not AUTO; see
+ * axl_resolve_isa), or NULL when the dtypes are equal and the conversion is a plain copy.
+ * Both dtypes must be F32, BF16 or F16. What axl_convert runs, for the other entry points
+ * that convert (shards.c). */
+axl_convert_fn axl_convert_kernel(int isa, int src_dtype, int dst_dtype);
+
 #endif /* AXL_INTERNAL_H */

@@ -25,5 +25,10 @@ extern int axl_tests_passed, axl_tests_failed;
 
 /* One entry per test file, called from main() in test_core.c. */
 void test_convert(void);
+void test_shards(void);
+
+/* Makes pthread_create fail from the (after+1)-th call on; after < 0 turns that off.
+ * Main thread only (test_core.c wraps pthread_create). */
+void axl_test_fail_thread_creates(int after);
 
 #endif /* AXL_TEST_H */

@@ -32,6 +32,8 @@ int __wrap_pthread_create(pthread_t *t, const pthread_attr_t *attr, void *(*fn)(
     return __real_pthread_create(t, attr, fn, arg);
 }
 
+void axl_test_fail_thread_creates(int after) { creates_before_failure = after; }
+
 /* ---- status codes, names, CPU ---------------------------------------------------------- */
 
 static void test_strerror(void) {
@@ -160,6 +162,7 @@ int main(void) {
     test_parallel_for();
     test_thread_failure();
     test_convert();
+    test_shards();
     printf("%d passed, %d failed\n", axl_tests_passed, axl_tests_failed);
     return axl_tests_failed ? 1 : 0;
 }

@@ -1,0 +1,405 @@
+/* shards.c - axl_scatter_shards and axl_read_shards: cut a tensor into its grid of blocks
+ * and convert its dtype in one pass, from memory or straight from a file. */
+#define _POSIX_C_SOURCE 200809L /* pread, O_CLOEXEC */
+#define _FILE_OFFSET_BITS 64    /* a 64-bit off_t on 32-bit builds too */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "parallel.h"
+
+/* As in convert.c: below two of these per thread a scatter stays on the calling thread. */
+#define MIN_PER_THREAD ((int64_t)1 << 15)
+
+/* axl_read_shards gives a thread no less than this much of the file (see autoxla.h). */
+#define MIN_READ_BYTES_PER_THREAD ((int64_t)1 << 20)
+
+/* What axl_read_shards_scratch_bytes gives each thread to read at a time, at most. */
+#define DEFAULT_CHUNK_BYTES ((int64_t)8 << 20)
+
+/* Largest single pread request (Linux returns at most 0x7FFFF000 bytes per call anyway). */
+#define MAX_PREAD_BYTES ((size_t)1 << 30)
+
+/* axl_parallel_for starts ranges at multiples of this many indices (parallel.h); asking it
+ * for n = T * WORKER_SPAN indices in ranges of at least WORKER_SPAN gives exactly T ranges,
+ * i.e. T workers for axl_read_shards, which hand out the work among themselves. */
+#define WORKER_SPAN 64
+
+/* Blocks overlap-checked without a heap allocation; more use one malloc per call. */
+#define STACK_SPANS 64
+
+/* ---- the plan: how elements of src map to blocks --------------------------------------
+ * The tensor seen through the fewest dims that give the same blocks: dims of size 1 are
+ * dropped, and a dim with grid 1 is merged into the dim before it (the pair then behaves
+ * as one dim of size shape[d] * shape[d+1] cut into grid[d] blocks). Every dim but the
+ * first is then split, and the last dim of a block, `run` elements, is contiguous in both
+ * src and the block: the unit handed to a conversion kernel. Runs are numbered row-major
+ * over (size[0], ..., size[m-2], grid[m-1]), which is also src order. */
+typedef struct shard_plan {
+    int m;                           /* dims after merging, 1 .. ndim */
+    int64_t size[AXL_MAX_NDIM];      /* of the tensor, per merged dim */
+    int64_t grid[AXL_MAX_NDIM];      /* blocks per merged dim */
+    int64_t step[AXL_MAX_NDIM];      /* block size counted in runs: size/grid, 1 for the last */
+    int64_t stride[AXL_MAX_NDIM];    /* element stride of each merged dim inside a block */
+    int64_t run;                     /* elements per run: the last dim's block size */
+    axl_convert_fn fn;               /* NULL: copy */
+    size_t ss, ds;                   /* element sizes of src and blocks */
+    void *const *dsts;               /* prod(grid) blocks, row-major grid order */
+} shard_plan;
+
+static void make_plan(shard_plan *p, int ndim, const int64_t *shape, const int64_t *grid) {
+    int64_t block[AXL_MAX_NDIM];
+    int m = 0;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 1) continue; /* its grid is 1: it changes nothing */
+        if (m > 0 && grid[d] == 1) {
+            p->size[m - 1] *= shape[d];
+            block[m - 1] *= shape[d];
+            continue;
+        }
+        p->size[m] = shape[d];
+        p->grid[m] = grid[d];
+        block[m] = shape[d] / grid[d];
+        m++;
+    }
+    if (m == 0) { /* a single element */
+        p->size[0] = p->grid[0] = block[0] = 1;
+        m = 1;
+    }
+    p->m = m;
+    p->run = block[m - 1];
+    p->stride[m - 1] = 1;
+    p->step[m - 1] = 1;
+    for (int d = m - 2; d >= 0; d--) {
+        p->stride[d] = p->stride[d + 1] * block[d + 1];
+        p->step[d] = block[d];
+    }
+}
+
+/* Converts elements [begin, end) of the tensor (row-major order) into their blocks; src
+ * points at element `begin`. Only the runs' ends cost index arithmetic, no divisions. */
+static void scatter_elements(const shard_plan *p, const char *src, int64_t begin,
+                             int64_t end) {
+    const int m = p->m;
+    int64_t blk[AXL_MAX_NDIM], in[AXL_MAX_NDIM]; /* per merged dim: block, index inside */
+    int64_t q = begin / p->run, o = begin % p->run;
+    for (int d = m - 1; d >= 0; d--) {
+        int64_t extent = p->step[d] * p->grid[d], i = q % extent;
+        q /= extent;
+        blk[d] = i / p->step[d];
+        in[d] = i % p->step[d];
+    }
+    while (begin < end) {
+        int64_t k = 0, at = o; /* the block, and the element offset inside it */
+        for (int d = 0; d < m; d++) {
+            k = k * p->grid[d] + blk[d];
+            at += in[d] * p->stride[d];
+        }
+        int64_t n = p->run - o < end - begin ? p->run - o : end - begin;
+        char *dst = (char *)p->dsts[k] + (size_t)at * p->ds;
+        if (p->fn)
+            p->fn(src, dst, n);
+        else
+            memcpy(dst, src, (size_t)n * p->ss);
+        src += (size_t)n * p->ss;
+        begin += n;
+        o = 0;
+        for (int d = m - 1; d >= 0; d--) { /* the next run */
+            if (++in[d] < p->step[d]) break;
+            in[d] = 0;
+            if (++blk[d] < p->grid[d]) break;
+            blk[d] = 0;
+        }
+    }
+}
+
+/* ---- argument checks ------------------------------------------------------------------- */
+
+static int is_float_dtype(int dtype) {
+    return dtype == AXL_F32 || dtype == AXL_BF16 || dtype == AXL_F16;
+}
+
+/* The byte count of any buffer must fit in a ptrdiff_t, as for axl_convert. */
+#define MAX_ELEMENTS ((int64_t)(PTRDIFF_MAX / 4))
+
+/* ndim and shape: AXL_OK and the element count, or a status. */
+static int check_shape(int ndim, const int64_t *shape, int64_t *numel) {
+    if (ndim < 1 || ndim > AXL_MAX_NDIM) return AXL_ERR_BAD_SIZE;
+    if (!shape) return AXL_ERR_NULL_POINTER;
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] < 0) return AXL_ERR_BAD_SIZE;
+        if (shape[d] == 0) n = 0;
+    }
+    for (int d = 0; d < ndim && n; d++) {
+        if (shape[d] > MAX_ELEMENTS / n) return AXL_ERR_BAD_SIZE;
+        n *= shape[d];
+    }
+    *numel = n;
+    return AXL_OK;
+}
+
+/* grid against a checked shape: AXL_OK and the block count, or a status. */
+static int check_grid(int ndim, const int64_t *shape, const int64_t *grid, int64_t *nblocks) {
+    if (!grid) return AXL_ERR_NULL_POINTER;
+    int64_t n = 1;
+    for (int d = 0; d < ndim; d++) {
+        if (grid[d] < 1 || shape[d] % grid[d]) return AXL_ERR_BAD_SIZE;
+        /* A zero-sized dim takes any grid; the count of (empty) blocks must still fit. */
+        if (grid[d] > MAX_ELEMENTS / n) return AXL_ERR_BAD_SIZE;
+        n *= grid[d];
+    }
+    *nblocks = n;
+    return AXL_OK;
+}
+
+/* Checks shared by both entry points, in axl_convert's order: sizes, dtypes, threads, isa.
+ * Fills the counts and resolves *isa. */
+static int check_common(int ndim, const int64_t *shape, const int64_t *grid, int src_dtype,
+                        int dst_dtype, int nthreads, int *isa, int64_t *numel,
+                        int64_t *nblocks) {
+    if (!is_float_dtype(src_dtype) || !is_float_dtype(dst_dtype)) return AXL_ERR_BAD_DTYPE;
+    int status = check_shape(ndim, shape, numel);
+    if (status == AXL_OK) status = check_grid(ndim, shape, grid, nblocks);
+    if (status != AXL_OK) return status;
+    if (nthreads < 0) return AXL_ERR_BAD_THREADS;
+    return axl_resolve_isa(*isa, isa);
+}
+
+/* Every block non-NULL and aligned to the destination element size. */
+static int check_blocks(void *const *dsts, int64_t nblocks, size_t ds) {
+    if (!dsts) return AXL_ERR_NULL_POINTER;
+    for (int64_t k = 0; k < nblocks; k++)
+        if (!dsts[k]) return AXL_ERR_NULL_POINTER;
+    for (int64_t k = 0; k < nblocks; k++)
+        if ((uintptr_t)dsts[k] % ds) return AXL_ERR_MISALIGNED;
+    return AXL_OK;
+}
+
+typedef struct span {
+    uintptr_t begin, end;
+} span;
+
+static int span_order(const void *a, const void *b) {
+    uintptr_t x = ((const span *)a)->begin, y = ((const span *)b)->begin;
+    return (x > y) - (x < y);
+}
+
+/* AXL_ERR_OVERLAP if any two of [other, other + other_bytes) and the nblocks blocks of
+ * block_bytes each share a byte: sorted by start, each must end before the next starts. */
+static int check_overlap(const void *other, size_t other_bytes, void *const *dsts,
+                         int64_t nblocks, size_t block_bytes) {
+    span local[STACK_SPANS], *spans = local;
+    size_t n = (size_t)nblocks + 1; /* nblocks <= MAX_ELEMENTS: no overflow */
+    if (n > STACK_SPANS) {
+        if (n > SIZE_MAX / sizeof *spans) return AXL_ERR_RESOURCE;
+        spans = malloc(n * sizeof *spans);
+        if (!spans) return AXL_ERR_RESOURCE;
+    }
+    spans[0] = (span){(uintptr_t)other, (uintptr_t)other + other_bytes};
+    for (int64_t k = 0; k < nblocks; k++)
+        spans[k + 1] = (span){(uintptr_t)dsts[k], (uintptr_t)dsts[k] + block_bytes};
+    qsort(spans, n, sizeof *spans, span_order);
+    int status = AXL_OK;
+    for (size_t i = 1; i < n && status == AXL_OK; i++)
+        if (spans[i].begin < spans[i - 1].end) status = AXL_ERR_OVERLAP;
+    if (spans != local) free(spans);
+    return status;
+}
+
+/* ---- axl_scatter_shards ----------------------------------------------------------------- */
+
+typedef struct scatter_job {
+    const shard_plan *plan;
+    const char *src;
+} scatter_job;
+
+static void scatter_range(void *arg, int64_t begin, int64_t end) {
+    const scatter_job *job = arg;
+    scatter_elements(job->plan, job->src + (size_t)begin * job->plan->ss, begin, end);
+}
+
+int axl_scatter_shards(const void *src, int src_dtype, int ndim, const int64_t *shape,
+                       const int64_t *grid, void *const *dsts, int dst_dtype, int nthreads,
+                       int isa) {
+    int64_t numel = 0, nblocks = 0;
+    int status = check_common(ndim, shape, grid, src_dtype, dst_dtype, nthreads, &isa, &numel,
+                              &nblocks);
+    if (status != AXL_OK) return status;
+    if (numel == 0) return AXL_OK; /* empty tensors may carry NULL data pointers */
+    size_t ss = axl_dtype_size(src_dtype), ds = axl_dtype_size(dst_dtype);
+    if (!src) return AXL_ERR_NULL_POINTER;
+    status = check_blocks(dsts, nblocks, ds);
+    if (status != AXL_OK) return status;
+    if ((uintptr_t)src % ss) return AXL_ERR_MISALIGNED;
+    status = check_overlap(src, (size_t)numel * ss, dsts, nblocks,
+                           (size_t)(numel / nblocks) * ds);
+    if (status != AXL_OK) return status;
+
+    shard_plan plan;
+    make_plan(&plan, ndim, shape, grid);
+    plan.fn = axl_convert_kernel(isa, src_dtype, dst_dtype);
+    plan.ss = ss;
+    plan.ds = ds;
+    plan.dsts = dsts;
+    scatter_job job = {&plan, src};
+    if (nthreads == 0) nthreads = axl_num_cpus();
+    return axl_parallel_for(numel, nthreads, MIN_PER_THREAD, scatter_range, &job);
+}
+
+/* ---- axl_read_shards -------------------------------------------------------------------- */
+
+/* T of autoxla.h: threads a read of rows * row_bytes uses (row_bytes > 0, rows > 0). */
+static int read_threads(int nthreads, int64_t rows, int64_t row_bytes) {
+    int64_t t = nthreads == 0 ? axl_num_cpus() : nthreads;
+    if (t > AXL_MAX_THREADS) t = AXL_MAX_THREADS;
+    int64_t min_rows = (MIN_READ_BYTES_PER_THREAD + row_bytes - 1) / row_bytes;
+    int64_t by_size = rows / min_rows;
+    if (by_size < t) t = by_size;
+    return t < 1 ? 1 : (int)t;
+}
+
+/* Rows of dim 0 and bytes per row of a tensor with numel > 0 elements of ss bytes. */
+static void row_geometry(int64_t numel, const int64_t *shape, size_t ss, int64_t *rows,
+                         int64_t *row_bytes) {
+    *rows = shape[0];
+    *row_bytes = numel / shape[0] * (int64_t)ss;
+}
+
+/* Reads n bytes at file offset `at` into buf: retries on EINTR, continues after short
+ * reads; an error or the end of the file first is AXL_ERR_IO. */
+static int pread_full(int fd, char *buf, size_t n, int64_t at) {
+    while (n > 0) {
+        ssize_t got = pread(fd, buf, n < MAX_PREAD_BYTES ? n : MAX_PREAD_BYTES, (off_t)at);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) return AXL_ERR_IO;
+        buf += got;
+        n -= (size_t)got;
+        at += got;
+    }
+    return AXL_OK;
+}
+
+typedef struct read_job {
+    const shard_plan *plan;
+    int fd;
+    int64_t offset;        /* of row 0 in the file */
+    int64_t rows, row_elems, row_bytes;
+    int64_t chunk_rows;    /* rows per read; a worker's scratch holds this many */
+    int64_t nchunks;       /* ceil(rows / chunk_rows), handed out in file order */
+    char *scratch;         /* one slot of chunk_rows * row_bytes per worker */
+    atomic_int_fast64_t next_chunk;
+    atomic_int next_slot;
+    atomic_int status; /* the first failure; the others stop at their next chunk */
+} read_job;
+
+/* One worker (see WORKER_SPAN): takes the next chunk of rows until none is left, reads it
+ * into its own slot of scratch and converts it into the blocks. */
+static void read_worker(void *arg, int64_t begin, int64_t end) {
+    read_job *job = arg;
+    (void)begin;
+    (void)end;
+    int slot = atomic_fetch_add(&job->next_slot, 1); /* < T: at most T workers run */
+    char *buf = job->scratch + (size_t)slot * (size_t)(job->chunk_rows * job->row_bytes);
+    for (;;) {
+        if (atomic_load(&job->status) != AXL_OK) return;
+        int64_t c = atomic_fetch_add(&job->next_chunk, 1);
+        if (c >= job->nchunks) return;
+        int64_t r0 = c * job->chunk_rows;
+        int64_t r1 = job->rows - r0 < job->chunk_rows ? job->rows : r0 + job->chunk_rows;
+        int status = pread_full(job->fd, buf, (size_t)((r1 - r0) * job->row_bytes),
+                                job->offset + r0 * job->row_bytes);
+        if (status != AXL_OK) {
+            int ok = AXL_OK;
+            atomic_compare_exchange_strong(&job->status, &ok, status);
+            return;
+        }
+        scatter_elements(job->plan, buf, r0 * job->row_elems, r1 * job->row_elems);
+    }
+}
+
+int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
+                    const int64_t *shape, const int64_t *grid, void *const *dsts, int dst_dtype,
+                    void *scratch, int64_t scratch_bytes, int nthreads, int isa) {
+    int64_t numel = 0, nblocks = 0;
+    int status = check_common(ndim, shape, grid, src_dtype, dst_dtype, nthreads, &isa, &numel,
+                              &nblocks);
+    if (status != AXL_OK) return status;
+    size_t ss = axl_dtype_size(src_dtype), ds = axl_dtype_size(dst_dtype);
+    int64_t bytes = numel * (int64_t)ss; /* numel <= MAX_ELEMENTS: no overflow */
+    if (offset < 0 || offset > INT64_MAX - bytes || scratch_bytes < 0) return AXL_ERR_BAD_SIZE;
+    if (numel == 0) return AXL_OK; /* nothing to read: the file is not opened */
+
+    int64_t rows, row_bytes;
+    row_geometry(numel, shape, ss, &rows, &row_bytes);
+    int threads = read_threads(nthreads, rows, row_bytes);
+    if (scratch_bytes / threads < row_bytes) return AXL_ERR_BAD_SIZE;
+    if (!path || !scratch) return AXL_ERR_NULL_POINTER;
+    status = check_blocks(dsts, nblocks, ds);
+    if (status != AXL_OK) return status;
+    if ((uintptr_t)scratch % ss) return AXL_ERR_MISALIGNED;
+    status = check_overlap(scratch, (size_t)scratch_bytes, dsts, nblocks,
+                           (size_t)(numel / nblocks) * ds);
+    if (status != AXL_OK) return status;
+
+    shard_plan plan;
+    make_plan(&plan, ndim, shape, grid);
+    plan.fn = axl_convert_kernel(isa, src_dtype, dst_dtype);
+    plan.ss = ss;
+    plan.ds = ds;
+    plan.dsts = dsts;
+
+    /* A worker's slot: its share of scratch in whole rows, but no more than its share of
+     * the rows, so that every worker gets a chunk. */
+    int64_t chunk_rows = scratch_bytes / threads / row_bytes;
+    int64_t share = (rows + threads - 1) / threads;
+    if (chunk_rows > share) chunk_rows = share;
+
+    int fd;
+    do {
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) return AXL_ERR_IO;
+
+    read_job job = {
+        .plan = &plan,
+        .fd = fd,
+        .offset = offset,
+        .rows = rows,
+        .row_elems = numel / rows,
+        .row_bytes = row_bytes,
+        .chunk_rows = chunk_rows,
+        .nchunks = (rows + chunk_rows - 1) / chunk_rows,
+        .scratch = scratch,
+    };
+    atomic_init(&job.next_chunk, 0);
+    atomic_init(&job.next_slot, 0);
+    atomic_init(&job.status, AXL_OK);
+    status = axl_parallel_for((int64_t)threads * WORKER_SPAN, threads, WORKER_SPAN, read_worker,
+                              &job);
+    if (status == AXL_OK) status = atomic_load(&job.status);
+    close(fd); /* read-only: nothing to lose if it fails; never retried (Linux frees fd) */
+    return status;
+}
+
+int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int64_t *shape,
+                                      int nthreads) {
+    if (!is_float_dtype(src_dtype)) return -AXL_ERR_BAD_DTYPE;
+    int64_t numel = 0;
+    int status = check_shape(ndim, shape, &numel);
+    if (status != AXL_OK) return -status;
+    if (nthreads < 0) return -AXL_ERR_BAD_THREADS;
+    if (numel == 0) return 0;
+    int64_t rows, row_bytes;
+    row_geometry(numel, shape, axl_dtype_size(src_dtype), &rows, &row_bytes);
+    int threads = read_threads(nthreads, rows, row_bytes);
+    /* threads <= rows, so the product stays <= the tensor's bytes. */
+    int64_t chunk_rows = DEFAULT_CHUNK_BYTES / row_bytes;
+    if (chunk_rows > rows / threads) chunk_rows = rows / threads;
+    if (chunk_rows < 1) chunk_rows = 1;
+    return threads * chunk_rows * row_bytes;
+}
