@@ -138,6 +138,12 @@ def tensor_from_shards(shards: list[torch.Tensor], spec: tuple, mesh, shape) -> 
     return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, op, list(shape))
 
 
+def wait_for_transfers() -> None:
+    """Blocks until pending host-to-device copies finish, so their host buffers can be freed."""
+    torch_xla, _, _ = _xla()
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])
+
+
 def mark_sharding(t: torch.Tensor, mesh, spec: tuple, with_gradients: bool = False):
     _, _, xs = _xla()
     if with_gradients:

@@ -18,6 +18,7 @@ from .empty import parameters_on_meta
 from .options import LoadOptions
 
 logger = logging.getLogger("AutoXLA")
+_WAIT_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -95,6 +96,7 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbos
         logger.warning("ignoring %d checkpoint tensor(s) the model does not have: %s",
                        len(unexpected), sorted(unexpected)[:5])
     progress = _progress(plan, verbose)
+    in_flight = 0
     for t in plan:
         if t.tied_to:
             continue
@@ -112,6 +114,12 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbos
             shards = streaming.shard_grid_tensors(record, backend.shard_grid(t.spec, mesh), dtype)
             value = streaming.to_device(shards, t.spec, mesh, t.shape)
             del shards
+            # Copies to the devices are asynchronous and keep their host shards alive: wait once
+            # the shards in flight reach _WAIT_BYTES, so host memory stays ~ one tensor's worth.
+            in_flight += record.nbytes
+            if in_flight >= _WAIT_BYTES:
+                backend.wait_for_transfers()
+                in_flight = 0
         _assign(owner, leaf, value, t.is_buffer)
         progress.update(1)
     progress.close()

@@ -51,7 +51,12 @@ typedef struct shard_plan {
     void *const *dsts;               /* prod(grid) blocks, row-major grid order */
 } shard_plan;
 
-static void make_plan(shard_plan *p, int ndim, const int64_t *shape, const int64_t *grid) {
+static void make_plan(shard_plan *p, int ndim, const int64_t *shape, const int64_t *grid,
+                      int isa, int src_dtype, int dst_dtype, void *const *dsts) {
+    p->fn = axl_convert_kernel(isa, src_dtype, dst_dtype);
+    p->ss = axl_dtype_size(src_dtype);
+    p->ds = axl_dtype_size(dst_dtype);
+    p->dsts = dsts;
     int64_t block[AXL_MAX_NDIM];
     int m = 0;
     for (int d = 0; d < ndim; d++) {
@@ -241,11 +246,7 @@ int axl_scatter_shards(const void *src, int src_dtype, int ndim, const int64_t *
     if (status != AXL_OK) return status;
 
     shard_plan plan;
-    make_plan(&plan, ndim, shape, grid);
-    plan.fn = axl_convert_kernel(isa, src_dtype, dst_dtype);
-    plan.ss = ss;
-    plan.ds = ds;
-    plan.dsts = dsts;
+    make_plan(&plan, ndim, shape, grid, isa, src_dtype, dst_dtype, dsts);
     scatter_job job = {&plan, src};
     if (nthreads == 0) nthreads = axl_num_cpus();
     return axl_parallel_for(numel, nthreads, MIN_PER_THREAD, scatter_range, &job);
@@ -347,11 +348,7 @@ int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
     if (status != AXL_OK) return status;
 
     shard_plan plan;
-    make_plan(&plan, ndim, shape, grid);
-    plan.fn = axl_convert_kernel(isa, src_dtype, dst_dtype);
-    plan.ss = ss;
-    plan.ds = ds;
-    plan.dsts = dsts;
+    make_plan(&plan, ndim, shape, grid, isa, src_dtype, dst_dtype, dsts);
 
     /* A worker's slot: its share of scratch in whole rows, but no more than its share of
      * the rows, so that every worker gets a chunk. */

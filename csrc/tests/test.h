@@ -2,7 +2,9 @@
 #ifndef AXL_TEST_H
 #define AXL_TEST_H
 
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 extern int axl_tests_passed, axl_tests_failed;
 
@@ -22,6 +24,24 @@ extern int axl_tests_passed, axl_tests_failed;
 #define CHECK(cond) CHECK_MSG(cond, "%s", "")
 #define CHECK_EQ(a, b) \
     CHECK_MSG((long long)(a) == (long long)(b), "%lld != %lld", (long long)(a), (long long)(b))
+
+/* xorshift64*: a fixed-seed generator per test file, so failures reproduce. */
+static inline uint32_t axl_test_rng(uint64_t *state) {
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return (uint32_t)((*state * 0x2545F4914F6CDD1Du) >> 32);
+}
+
+/* malloc that ends the test run (exit 2) rather than returning NULL. */
+static inline void *xmalloc(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory allocating %zu bytes\n", bytes);
+        exit(2);
+    }
+    return p;
+}
 
 /* One entry per test file, called from main() in test_core.c. */
 void test_convert(void);

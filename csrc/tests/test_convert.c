@@ -16,21 +16,7 @@ static const int float_dtypes[] = {AXL_F32, AXL_BF16, AXL_F16};
 static const char *const dtype_names[] = {"f32", "bf16", "f16"};
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15u;
-static uint32_t rng_u32(void) { /* xorshift64*: fixed seed, so failures reproduce */
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t)((rng_state * 0x2545F4914F6CDD1Du) >> 32);
-}
-
-static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "out of memory allocating %zu bytes\n", bytes);
-        exit(2);
-    }
-    return p;
-}
+static uint32_t rng_u32(void) { return axl_test_rng(&rng_state); }
 
 static uint32_t element(const void *buf, int dtype, int64_t i) {
     return axl_dtype_size(dtype) == 4 ? ((const uint32_t *)buf)[i] : ((const uint16_t *)buf)[i];

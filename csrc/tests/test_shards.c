@@ -21,21 +21,7 @@ static const char *const dtype_names[] = {"f32", "bf16", "f16"};
 static const int thread_counts[] = {1, 2, 3, 0};
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Du;
-static uint32_t rng_u32(void) { /* xorshift64*: fixed seed, so failures reproduce */
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t)((rng_state * 0x2545F4914F6CDD1Du) >> 32);
-}
-
-static void *xmalloc(size_t bytes) {
-    void *p = malloc(bytes ? bytes : 1);
-    if (!p) {
-        fprintf(stderr, "out of memory allocating %zu bytes\n", bytes);
-        exit(2);
-    }
-    return p;
-}
+static uint32_t rng_u32(void) { return axl_test_rng(&rng_state); }
 
 static int isa_available(int isa) {
     return axl_convert(NULL, AXL_F32, NULL, AXL_F32, 0, 1, isa) == AXL_OK;
