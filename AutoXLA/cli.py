@@ -22,8 +22,7 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    from .modeling.empty import parameters_on_meta
-    from .modeling.pipeline import _resolve_dtype
+    from .modeling.pipeline import empty_model
     from .sharding.mesh import mesh_shape_for, normalize_strategy
     from .sharding.plan import build_plan
 
@@ -38,12 +37,9 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
         if dtype.lower() not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
         dtype = getattr(torch, _DTYPES[dtype.lower()])
-    dtype = _resolve_dtype(dtype if dtype is not None else "auto", config)
     strategy = normalize_strategy(strategy)
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
-    return build_plan(model, config, mesh_shape_for(strategy, devices), strategy, dtype, tied)
+    r = empty_model(config, AutoModelForCausalLM, dtype if dtype is not None else "auto")
+    return build_plan(r.model, config, mesh_shape_for(strategy, devices), strategy, r.dtype, r.tied)
 
 
 def _cmd_plan(args) -> int:

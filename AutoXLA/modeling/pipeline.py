@@ -42,10 +42,19 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
             "attn_implementation) nor fields of the model's config; check the spelling")
-    dtype = _resolve_dtype(opts.dtype, config)
     config._attn_implementation = opts.attn_implementation
+    return empty_model(config, auto_class, opts.dtype, opts.trust_remote_code)
+
+
+def empty_model(config, auto_class, dtype="auto", trust_remote_code: bool = False) -> Resolved:
+    """The model of ``config`` with parameters on meta and buffers on the CPU, and its ties.
+
+    Shared by from_pretrained and ``autoxla plan``, so the plan a user previews is the plan the
+    loader executes.
+    """
+    dtype = resolve_dtype(dtype, config)
     with parameters_on_meta():
-        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=opts.trust_remote_code)
+        model = auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.eval()
     tied = {}
     if hasattr(model, "get_expanded_tied_weights_keys"):
@@ -53,7 +62,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
     return Resolved(config, model, dtype, tied)
 
 
-def _resolve_dtype(dtype, config) -> torch.dtype:
+def resolve_dtype(dtype, config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -114,12 +123,12 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbos
             shards = streaming.shard_grid_tensors(record, backend.shard_grid(t.spec, mesh), dtype)
             value = streaming.to_device(shards, t.spec, mesh, t.shape)
             del shards
-            # Copies to the devices are asynchronous and keep their host shards alive: wait once
-            # the shards in flight reach _WAIT_BYTES, so host memory stays ~ one tensor's worth.
-            in_flight += record.nbytes
-            if in_flight >= _WAIT_BYTES:
-                backend.wait_for_transfers()
-                in_flight = 0
+        # Copies to the devices are asynchronous and keep their host shards (the tensor in its
+        # load dtype) alive: wait once _WAIT_BYTES are in flight, whichever path made them.
+        in_flight += t.nbytes
+        if in_flight >= _WAIT_BYTES:
+            backend.wait_for_transfers()
+            in_flight = 0
         _assign(owner, leaf, value, t.is_buffer)
         progress.update(1)
     progress.close()

@@ -31,6 +31,11 @@ class TensorPlan:
     persistent: bool = True  # False for buffers that checkpoints do not hold (rotary inv_freq)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor in its device dtype."""
+        return _nbytes(self.shape, self.dtype)
+
+    @property
     def spec_str(self) -> str:
         def one(a):
             if a is None:
@@ -70,7 +75,7 @@ class Plan:
 
     def total_bytes(self) -> int:
         """Model bytes (tied tensors counted once)."""
-        return sum(_nbytes(t.shape, t.dtype) for t in self.tensors if not t.tied_to)
+        return sum(t.nbytes for t in self.tensors if not t.tied_to)
 
     def bytes_per_device(self) -> int:
         return sum(t.bytes_per_device for t in self.tensors if not t.tied_to)
