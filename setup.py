@@ -11,8 +11,14 @@ core = Extension(
     "AutoXLA._axl_core",
     sources=sorted(glob.glob("csrc/src/*.c")),
     include_dirs=["csrc/include"],
-    extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra"],
+    # -ffp-contract=off: no mul+add fused into an FMA, so the quantization kernels give the
+    # same bits on every ISA as their scalar reference (csrc/src/quant_ref.c).
+    extra_compile_args=[
+        "-std=c11", "-O3", "-ffp-contract=off", "-fvisibility=hidden", "-pthread", "-Wall",
+        "-Wextra",
+    ],
     extra_link_args=["-pthread"],
+    libraries=["m"],
     py_limited_api=False,
 )
 

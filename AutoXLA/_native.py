@@ -17,26 +17,38 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
     "NativeError",
     "NativeLibraryError",
+    "Quantized",
     "available_isas",
     "best_isa",
     "convert",
     "cpu_features",
+    "dequantize",
     "num_cpus",
+    "quantize",
+    "quantized_shape",
     "read_shards",
     "scatter_shards",
 ]
 
 # Must equal AXL_ABI_VERSION in csrc/include/autoxla.h.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # axl_dtype values (autoxla.h) of the dtypes axl_convert takes.
 _CONVERT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Quantized data (axl_dtype values): the shard functions copy these, same dtype in and out.
+_INT_DTYPES = {torch.int8: 3, torch.uint8: 4}
+_SHARD_DTYPES = {**_CONVERT_DTYPES, **_INT_DTYPES}
+
+# axl_status values this module reacts to.
+_AXL_ERR_NON_FINITE = 7
 
 # axl_isa values; the vectorised ISAs are listed in increasing order of preference.
 _ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
@@ -67,11 +79,16 @@ class NativeLibraryError(ImportError):
 
 
 class NativeError(RuntimeError):
-    """A C core function returned a non-zero status; `code` is the axl_status value."""
+    """A C core function returned a non-zero status; `code` is the axl_status value.
 
-    def __init__(self, code: int, message: str):
+    `row` is the offending row of the weight when quantize() met NaN or Inf (code 7), else
+    None.
+    """
+
+    def __init__(self, code: int, message: str, row: int | None = None):
         super().__init__(message)
         self.code = code
+        self.row = row
 
 
 _lib: ctypes.CDLL | None = None
@@ -140,6 +157,17 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
     ]
     lib.axl_read_shards_scratch_bytes.restype = ctypes.c_int64
+    lib.axl_quantize.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int,
+    ]
+    lib.axl_quantize.restype = ctypes.c_int
+    lib.axl_dequantize.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+    ]
+    lib.axl_dequantize.restype = ctypes.c_int
 
     return lib
 
@@ -189,11 +217,12 @@ def num_cpus() -> int:
 # ---- argument checks ---------------------------------------------------------------------
 
 
-def _dtype_names() -> str:
-    return ", ".join(str(d) for d in _CONVERT_DTYPES)
+def _dtype_names(dtypes=_CONVERT_DTYPES) -> str:
+    return ", ".join(str(d) for d in dtypes)
 
 
-def _check_cpu_tensor(name: str, t: object) -> torch.Tensor:
+def _check_cpu_tensor(name: str, t: object, dtypes=_CONVERT_DTYPES, fix: str = "") -> torch.Tensor:
+    """A dense, contiguous, aligned CPU tensor of one of `dtypes`; `fix` ends the dtype error."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -203,8 +232,10 @@ def _check_cpu_tensor(name: str, t: object) -> torch.Tensor:
         )
     if t.layout != torch.strided:
         raise ValueError(f"{name} has layout {t.layout}; call .to_dense() first")
-    if t.dtype not in _CONVERT_DTYPES:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {_dtype_names()}")
+    if t.dtype not in dtypes:
+        raise ValueError(
+            f"{name} has dtype {t.dtype}; expected one of {_dtype_names(dtypes)}{fix}"
+        )
     if t.is_neg():
         raise ValueError(f"{name} is a lazily negated view; call .resolve_neg() first")
     if not t.is_contiguous():
@@ -223,6 +254,11 @@ def _check_cpu_tensor(name: str, t: object) -> torch.Tensor:
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
 
 def _check_nthreads(nthreads: object) -> int:
@@ -306,11 +342,23 @@ def convert(
 # ---- shard slicing -----------------------------------------------------------------------
 
 
-def _check_dtype(name: str, dtype: object) -> torch.dtype:
+def _check_dtype(name: str, dtype: object, dtypes=_CONVERT_DTYPES) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{name} must be a torch.dtype, got {type(dtype).__name__}")
-    if dtype not in _CONVERT_DTYPES:
-        raise ValueError(f"{name} is {dtype}; expected one of {_dtype_names()}")
+    if dtype not in dtypes:
+        raise ValueError(f"{name} is {dtype}; expected one of {_dtype_names(dtypes)}")
+    return dtype
+
+
+def _check_shard_dtypes(src_name: str, src_dtype: torch.dtype, dtype: object) -> torch.dtype:
+    """Float dtypes convert in any pair; int8/uint8 (quantized data) only copy to themselves."""
+    _check_dtype("dtype", dtype, _SHARD_DTYPES)
+    if (src_dtype in _INT_DTYPES or dtype in _INT_DTYPES) and dtype != src_dtype:
+        expected = src_dtype if src_dtype in _INT_DTYPES else _dtype_names()
+        raise ValueError(
+            f"dtype is {dtype} but {src_name} is {src_dtype}: int8/uint8 blocks are copied, "
+            f"never converted to or from floats; expected one of {expected}"
+        )
     return dtype
 
 
@@ -386,14 +434,15 @@ def scatter_shards(
     Equals ``[b.to(dtype).contiguous() for b in split_grid(src, grid)]``, where split_grid
     chunks dim by dim, bit for bit (conversion as in convert(): NaNs follow one fixed rule
     per pair). src: a contiguous CPU tensor of float32, bfloat16 or float16 with 1 to 8
-    dims. grid: one positive int per dim of src, dividing that dim (1 = not split).
-    dtype: float32, bfloat16 or float16. nthreads, isa: as for convert(). Not
-    differentiable: the blocks never require grad.
+    dims, or of int8 / uint8 (quantized data, e.g. quantize()'s q), which is copied: then
+    dtype must be src's dtype. grid: one positive int per dim of src, dividing that dim (1
+    = not split). dtype: float32, bfloat16 or float16 for a float src. nthreads, isa: as
+    for convert(). Not differentiable: the blocks never require grad.
     """
-    _check_cpu_tensor("src", src)
+    _check_cpu_tensor("src", src, _SHARD_DTYPES)
     shape = tuple(src.shape)
     grid = _check_grid(shape, grid)
-    _check_dtype("dtype", dtype)
+    _check_shard_dtypes("src", src.dtype, dtype)
     threads = _check_nthreads(nthreads)
     isa_code = _check_isa(isa)
     lib = _get_lib()  # before allocating: a missing library should fail first
@@ -401,8 +450,8 @@ def scatter_shards(
     blocks, ptrs = _alloc_blocks(shape, grid, dtype)
     # src, blocks and the arrays stay referenced by this frame until the call returns.
     status = lib.axl_scatter_shards(
-        src.data_ptr(), _CONVERT_DTYPES[src.dtype], len(shape), _int64_array(shape),
-        _int64_array(grid), ptrs, _CONVERT_DTYPES[dtype], threads, isa_code,
+        src.data_ptr(), _SHARD_DTYPES[src.dtype], len(shape), _int64_array(shape),
+        _int64_array(grid), ptrs, _SHARD_DTYPES[dtype], threads, isa_code,
     )
     _check_status(
         status,
@@ -425,7 +474,8 @@ def read_shards(
 ) -> list[torch.Tensor]:
     """Like scatter_shards, for the tensor of src_dtype and shape whose bytes (dense,
     row-major, native little-endian) start at byte `offset` of the file `path`, as in a
-    safetensors file; the whole tensor is never in memory.
+    safetensors file; the whole tensor is never in memory. int8 / uint8 tensors are copied
+    (dtype must equal src_dtype), as in scatter_shards.
 
     The C core reads the file in chunks of whole dim-0 rows (about 8 MiB per thread),
     staged in one scratch buffer allocated here, and converts each chunk straight into
@@ -444,10 +494,10 @@ def read_shards(
         raise TypeError(f"offset must be an int, got {type(offset).__name__}")
     if offset < 0:
         raise ValueError(f"offset={offset} is negative; pass the tensor's byte offset in the file")
-    _check_dtype("src_dtype", src_dtype)
+    _check_dtype("src_dtype", src_dtype, _SHARD_DTYPES)
     shape = _check_ints("shape", shape, 0)
     grid = _check_grid(shape, grid)
-    _check_dtype("dtype", dtype)
+    _check_shard_dtypes("src_dtype", src_dtype, dtype)
     threads = _check_nthreads(nthreads)
     isa_code = _check_isa(isa)
 
@@ -481,7 +531,7 @@ def read_shards(
     # One thread count for both calls: the scratch size depends on it.
     threads = threads or lib.axl_num_cpus()
     scratch_bytes = lib.axl_read_shards_scratch_bytes(
-        _CONVERT_DTYPES[src_dtype], ndim, c_shape, threads
+        _SHARD_DTYPES[src_dtype], ndim, c_shape, threads
     )
     if scratch_bytes < 0:
         _check_status(-scratch_bytes, f"read_shards scratch size for {shape} ({src_dtype})")
@@ -489,8 +539,8 @@ def read_shards(
     blocks, ptrs = _alloc_blocks(shape, grid, dtype)
     # The scratch, blocks and arrays stay referenced by this frame until the call returns.
     status = lib.axl_read_shards(
-        os.fsencode(path_str), offset, _CONVERT_DTYPES[src_dtype], ndim, c_shape, c_grid, ptrs,
-        _CONVERT_DTYPES[dtype], scratch.data_ptr(), scratch_bytes, threads, isa_code,
+        os.fsencode(path_str), offset, _SHARD_DTYPES[src_dtype], ndim, c_shape, c_grid, ptrs,
+        _SHARD_DTYPES[dtype], scratch.data_ptr(), scratch_bytes, threads, isa_code,
     )
     _check_status(
         status,
@@ -498,3 +548,308 @@ def read_shards(
         f"{dtype} (isa={isa!r}, nthreads={threads})",
     )
     return blocks
+
+
+# ---- quantization ------------------------------------------------------------------------
+
+# Formats: bits -> (dtype of q, qmax). See axl_quantize in csrc/include/autoxla.h.
+_Q_DTYPES = {8: torch.int8, 4: torch.uint8}
+
+
+class Quantized(NamedTuple):
+    """A weight quantized by quantize(): CPU tensors, for rows x cols and G = cols / block.
+
+    q: int8 (rows, cols) for 8 bits; uint8 (rows, ceil(cols / 2)) for 4 bits, two 4-bit
+    two's complement values per byte, element 2j of a row in the low nibble (bits 0-3) of
+    byte j and element 2j+1 in the high nibble (with odd cols the last high nibble is 0).
+    scale: float32 (rows, G). zero_point: int8 (rows, G), None when symmetric.
+    max_err: float32 (rows,), the largest |w - dequantized| per row; sqnr_db: float32
+    (rows,), 10 log10(sum w^2 / sum (w - dequantized)^2) per row (+inf for an exact row);
+    both None unless quantize(..., stats=True).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    max_err: torch.Tensor | None
+    sqnr_db: torch.Tensor | None
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    value = operator.index(value)
+    if not minimum <= value <= _INT64_MAX:
+        raise ValueError(f"{name}={value} is out of range; expected an int >= {minimum}")
+    return value
+
+
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or not hasattr(type(bits), "__index__"):
+        raise TypeError(f"bits must be an int (4 or 8), got {type(bits).__name__} ({bits!r})")
+    bits = operator.index(bits)
+    if bits not in _Q_DTYPES:
+        raise ValueError(f"bits={bits} is not supported; pass bits=8 (int8) or bits=4 (int4)")
+    return bits
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _check_block(block_size: object, cols: int) -> int:
+    """The C core's block size: -1 (per-channel) -> cols; else cols itself or a positive
+    multiple of 32 dividing cols."""
+    if isinstance(block_size, bool) or not hasattr(type(block_size), "__index__"):
+        raise TypeError(
+            f"block_size must be an int, got {type(block_size).__name__} ({block_size!r})"
+        )
+    block = operator.index(block_size)
+    if block == -1 or block == cols:
+        return cols
+    if block > 0 and block % 32 == 0 and cols % block == 0:
+        return block
+    valid = [b for b in range(32, min(cols, 4096) + 1, 32) if cols % b == 0 and b != cols]
+    hint = f"; multiples of 32 dividing {cols}: {valid[:8]}" if valid else ""
+    raise ValueError(
+        f"block_size={block} does not fit a weight with {cols} columns: pass -1 (one scale "
+        f"per row), {cols} (the same), or a positive multiple of 32 that divides {cols}{hint}"
+    )
+
+
+def quantized_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
+    """Shape of quantize()'s q for a (rows, cols) weight: (rows, cols) for 8 bits, (rows,
+    ceil(cols / 2)) for 4 bits (two values per byte)."""
+    rows, cols = _check_int("rows", rows, 0), _check_int("cols", cols, 0)
+    return (rows, cols) if _check_bits(bits) == 8 else (rows, (cols + 1) // 2)
+
+
+def _check_out_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ...]):
+    _check_cpu_tensor(name, t, {dtype: None}, f": pass torch.empty({shape}, dtype={dtype})")
+    if tuple(t.shape) != shape:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}, expected {shape}; pass "
+            f"torch.empty({shape}, dtype={dtype})"
+        )
+    if t.requires_grad:
+        raise ValueError(
+            f"{name} requires grad, but the C core writes it outside autograd; pass a tensor "
+            f"with requires_grad=False"
+        )
+    return t
+
+
+def _check_disjoint(named: dict[str, torch.Tensor | None]) -> None:
+    """No two of the (non-None) tensors share a byte."""
+    items = [(n, t) for n, t in named.items() if t is not None]
+    for i, (a_name, a) in enumerate(items):
+        for b_name, b in items[i + 1:]:
+            if _shares_memory(a, b):
+                raise ValueError(
+                    f"{a_name} and {b_name} share memory; pass separate tensors (e.g. "
+                    f"{b_name}.clone())"
+                )
+
+
+def _non_finite_message(w: torch.Tensor, row: int, symmetric: bool) -> str:
+    values = w[row]
+    if not bool(torch.isfinite(values).all()):
+        col = int((~torch.isfinite(values)).nonzero()[0])
+        return (
+            f"row {row} of the weight contains NaN or Inf (first at column {col}: "
+            f"{float(values[col])}); find where it comes from, or drop or clean that row "
+            f"(e.g. torch.nan_to_num) before quantizing"
+        )
+    return (  # asymmetric: max - min of a block does not fit in float32
+        f"row {row} of the weight has an asymmetric block whose range (max - min) overflows "
+        f"float32 (values near +-3.4e38); use symmetric=True or rescale the weight"
+    )
+
+
+def quantize(
+    w: torch.Tensor,
+    *,
+    bits: int,
+    symmetric: bool,
+    block_size: int,
+    stats: bool = False,
+    nthreads: int = 0,
+    isa: str = "auto",
+    out: Quantized | None = None,
+) -> Quantized:
+    """Quantize the (rows, cols) weight w to int8 or int4 with the C core; see Quantized.
+
+    w: a 2-D contiguous CPU tensor of float32, bfloat16 or float16, read in place.
+    bits: 8 or 4. symmetric: True for q in [-qmax, qmax] with no zero point; False for the
+    full range [qmin, qmax] with an int8 zero point per block. block_size: elements of a
+    row that share one scale: -1 (or cols) for one per row, else a positive multiple of 32
+    dividing cols. stats: also return max_err and sqnr_db per row (computed in the same
+    pass). nthreads, isa: as for convert(). out: optional Quantized of tensors to fill (q,
+    scale; zero_point exactly when asymmetric; max_err and sqnr_db exactly when stats),
+    each of the documented dtype and shape; returned.
+
+    The arithmetic is fixed and identical on every ISA and thread count (autoxla.h):
+    symmetric scale = max|x| / qmax, asymmetric scale = (max(x, 0) - min(x, 0)) / (qmax -
+    qmin), q = clamp(round_half_even(x * (1 / scale)) + zero_point), all in float32; a block
+    whose scale is 0 (or whose 1 / scale overflows) is all zeros with scale 0.
+    Raises NativeError (with .row) if a row holds NaN or Inf.
+    """
+    _check_cpu_tensor(
+        "w", w, _CONVERT_DTYPES,
+        ": convert it first, e.g. w.to(torch.bfloat16) (or float32 / float16)",
+    )
+    if w.dim() != 2:
+        raise ValueError(
+            f"w has shape {tuple(w.shape)}; quantize takes a 2-D (rows, cols) weight: reshape "
+            f"it first, e.g. w.reshape(-1, w.shape[-1])"
+        )
+    bits = _check_bits(bits)
+    symmetric = _check_bool("symmetric", symmetric)
+    stats = _check_bool("stats", stats)
+    rows, cols = w.shape
+    block = _check_block(block_size, cols)
+    groups = cols // block if cols else 0
+    threads = _check_nthreads(nthreads)
+    isa_code = _check_isa(isa)
+    lib = _get_lib()  # before allocating: a missing library should fail first
+
+    q_shape = quantized_shape(rows, cols, bits)
+    if out is None:
+        q = torch.empty(q_shape, dtype=_Q_DTYPES[bits])
+        scale = torch.empty((rows, groups), dtype=torch.float32)
+        zero_point = None if symmetric else torch.empty((rows, groups), dtype=torch.int8)
+        max_err = torch.empty(rows, dtype=torch.float32) if stats else None
+        sqnr_db = torch.empty(rows, dtype=torch.float32) if stats else None
+    else:
+        if not isinstance(out, Quantized):
+            raise TypeError(
+                f"out must be a Quantized, got {type(out).__name__}; build one with "
+                f"Quantized(q, scale, zero_point, max_err, sqnr_db)"
+            )
+        q = _check_out_tensor("out.q", out.q, _Q_DTYPES[bits], q_shape)
+        scale = _check_out_tensor("out.scale", out.scale, torch.float32, (rows, groups))
+        if symmetric != (out.zero_point is None):
+            raise ValueError(
+                "out.zero_point must be None for symmetric=True and an int8 tensor of "
+                f"shape {(rows, groups)} for symmetric=False"
+            )
+        zero_point = None if symmetric else _check_out_tensor(
+            "out.zero_point", out.zero_point, torch.int8, (rows, groups)
+        )
+        for name in ("max_err", "sqnr_db"):
+            if stats != (getattr(out, name) is not None):
+                raise ValueError(
+                    f"out.{name} must be a float32 tensor of shape ({rows},) when stats=True "
+                    f"and None when stats=False"
+                )
+        max_err = _check_out_tensor("out.max_err", out.max_err, torch.float32, (rows,)) if stats else None
+        sqnr_db = _check_out_tensor("out.sqnr_db", out.sqnr_db, torch.float32, (rows,)) if stats else None
+        _check_disjoint({
+            "w": w, "out.q": q, "out.scale": scale, "out.zero_point": zero_point,
+            "out.max_err": max_err, "out.sqnr_db": sqnr_db,
+        })
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    bad_row = ctypes.c_int64(-1)
+    # Every tensor stays referenced by this frame until the call returns.
+    status = lib.axl_quantize(
+        w.data_ptr(), _CONVERT_DTYPES[w.dtype], rows, cols, bits, int(symmetric), block,
+        q.data_ptr(), scale.data_ptr(), ptr(zero_point), ptr(max_err), ptr(sqnr_db),
+        ctypes.byref(bad_row), threads, isa_code,
+    )
+    what = (
+        f"quantize {w.dtype} {tuple(w.shape)} to int{bits} "
+        f"{'symmetric' if symmetric else 'asymmetric'} block {block} (isa={isa!r}, "
+        f"nthreads={threads})"
+    )
+    if status == _AXL_ERR_NON_FINITE:
+        row = bad_row.value
+        raise NativeError(status, f"{what}: {_non_finite_message(w, row, symmetric)}", row=row)
+    _check_status(status, what)
+    if stats and cols == 0:  # the C core writes nothing for an empty matrix
+        max_err.zero_()
+        sqnr_db.fill_(math.inf)
+    return Quantized(q, scale, zero_point, max_err, sqnr_db)
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None,
+    *,
+    bits: int,
+    cols: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    nthreads: int = 0,
+    isa: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The (rows, cols) weight of dtype back from quantize()'s q, scale and zero_point.
+
+    y = float32(q - zero_point) * scale, then rounded to dtype exactly as convert() rounds.
+    q, scale, zero_point: as in Quantized (zero_point None = symmetric). bits, block_size:
+    those given to quantize(); cols: the weight's column count (q of 4 bits holds
+    ceil(cols / 2) bytes per row). dtype: float32, bfloat16 or float16. out: optional
+    (rows, cols) tensor of dtype to fill; returned. nthreads, isa: as for convert().
+    """
+    bits = _check_bits(bits)
+    _check_cpu_tensor(
+        "q", q, {_Q_DTYPES[bits]: None},
+        f" for bits={bits}: pass quantize()'s q unchanged",
+    )
+    if q.dim() != 2:
+        raise ValueError(f"q has shape {tuple(q.shape)}; expected 2-D (rows, bytes per row)")
+    cols = _check_int("cols", cols, 0)
+    rows = q.shape[0]
+    q_shape = quantized_shape(rows, cols, bits)
+    if tuple(q.shape) != q_shape:
+        raise ValueError(
+            f"q has shape {tuple(q.shape)}, but a ({rows}, {cols}) weight of {bits} bits "
+            f"quantizes to {q_shape}; check cols and bits"
+        )
+    block = _check_block(block_size, cols)
+    groups = cols // block if cols else 0
+    _check_cpu_tensor("scale", scale, {torch.float32: None}, ": pass quantize()'s scale")
+    if tuple(scale.shape) != (rows, groups):
+        raise ValueError(
+            f"scale has shape {tuple(scale.shape)}, expected {(rows, groups)} (one per block "
+            f"of {block}); check block_size"
+        )
+    if zero_point is not None:
+        _check_cpu_tensor(
+            "zero_point", zero_point, {torch.int8: None},
+            ": pass quantize()'s zero_point (None when symmetric)",
+        )
+        if tuple(zero_point.shape) != (rows, groups):
+            raise ValueError(
+                f"zero_point has shape {tuple(zero_point.shape)}, expected {(rows, groups)}"
+            )
+    _check_dtype("dtype", dtype)
+    threads = _check_nthreads(nthreads)
+    isa_code = _check_isa(isa)
+    lib = _get_lib()  # before allocating: a missing library should fail first
+
+    if out is None:
+        out = torch.empty((rows, cols), dtype=dtype)
+    else:
+        _check_out_tensor("out", out, dtype, (rows, cols))
+        for name, t in (("q", q), ("scale", scale), ("zero_point", zero_point)):
+            if t is not None and _shares_memory(out, t):
+                raise ValueError(f"out shares memory with {name}; pass a separate output tensor")
+
+    # q, scale, zero_point and out stay referenced by this frame until the call returns.
+    status = lib.axl_dequantize(
+        q.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr(),
+        rows, cols, bits, block, out.data_ptr(), _CONVERT_DTYPES[dtype], threads, isa_code,
+    )
+    _check_status(
+        status,
+        f"dequantize int{bits} ({rows}, {cols}) block {block} -> {dtype} (isa={isa!r}, "
+        f"nthreads={threads})",
+    )
+    return out

@@ -21,7 +21,7 @@ extern "C" {
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
  * _native.py refuses a library whose axl_abi_version() differs from its own. */
-#define AXL_ABI_VERSION 2
+#define AXL_ABI_VERSION 3
 
 /* Threads a single call may use; larger requests are clamped to this. */
 #define AXL_MAX_THREADS 256
@@ -42,10 +42,12 @@ typedef enum axl_status {
     AXL_ERR_MISALIGNED = 8,      /* pointer not aligned to its element size */
     AXL_ERR_OVERLAP = 9,         /* input and output buffers overlap */
     AXL_ERR_IO = 10,             /* a file cannot be opened or read, or ends too early */
+    AXL_ERR_BAD_FORMAT = 11,     /* quantization format: bits not 4 or 8, symmetric not 0/1 */
     AXL_STATUS_COUNT             /* number of codes above; not a status */
 } axl_status;
 
-/* Element types. I8/U8 are reserved for the quantization kernels. */
+/* Element types. I8/U8 are quantized data: axl_scatter_shards / axl_read_shards copy them
+ * (same dtype in and out); axl_convert does not take them. */
 typedef enum axl_dtype {
     AXL_F32 = 0,
     AXL_BF16 = 1,
@@ -125,6 +127,8 @@ AXL_API int axl_convert(const void *src, int src_dtype, void *dst, int dst_dtype
  *   k = 0 .. prod(grid)-1, and block k holds the elements whose index i satisfies
  *   k == sum_d (i[d] / (shape[d]/grid[d])) * prod(grid[d+1 .. ndim-1]).
  * The conversion is axl_convert's (same kernels, same bits; F32/BF16/F16 in all 9 pairs).
+ * I8 and U8 (quantized data) are taken only with src_dtype == dst_dtype: a plain copy into
+ * the grid. Any other pair with I8 or U8: AXL_ERR_BAD_DTYPE.
  *
  * Argument rules shared by both functions:
  *   ndim outside 1..AXL_MAX_NDIM, shape[d] < 0, grid[d] < 1, grid[d] not dividing
@@ -169,12 +173,86 @@ AXL_API int axl_read_shards(const char *path, int64_t offset, int src_dtype, int
                             int dst_dtype, void *scratch, int64_t scratch_bytes, int nthreads,
                             int isa);
 
-/* A scratch_bytes for axl_read_shards with the same src_dtype, ndim, shape and nthreads:
+/* A scratch_bytes for axl_read_shards with the same src_dtype (any axl_dtype), ndim, shape and nthreads:
  * T (as above) times up to 8 MiB of whole rows, at least one row, at most a thread's
  * share of the rows; always enough, and 0 for a tensor with 0 elements. A bad argument
  * (dtype, ndim, shape, nthreads; a NULL shape) gives the negated axl_status instead. */
 AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int64_t *shape,
                                               int nthreads);
+
+/* ---- quantization ----------------------------------------------------------------------
+ * A weight w is a dense row-major (rows, cols) matrix of F32, BF16 or F16, read in place
+ * (never copied to fp32 as a whole). Each run of block_size consecutive elements of a row
+ * (a "block") shares one fp32 scale (and, asymmetric, one int8 zero point). Valid block
+ * sizes: block_size == cols (per-channel, one block per row), or a positive multiple of 32
+ * dividing cols; anything else is AXL_ERR_BAD_SIZE. G = cols / block_size blocks per row
+ * (G = 0 when cols == 0).
+ *
+ * Layouts (all dense, row-major):
+ *   q, bits 8:  (rows, cols) int8.
+ *   q, bits 4:  (rows, ceil(cols/2)) uint8, two 4-bit two's complement values per byte:
+ *               element 2j of a row in the LOW nibble (bits 0-3) of byte j, element 2j+1
+ *               in the HIGH nibble (bits 4-7). Each row starts on a new byte; with odd
+ *               cols the high nibble of a row's last byte is 0.
+ *   scales:     (rows, G) float32.
+ *   zero_points:(rows, G) int8.
+ *   max_err, sqnr_db: (rows,) float32.
+ *
+ * Arithmetic, all fp32 IEEE with round half to even, identical on every ISA:
+ *   x = the element widened to fp32 (exact).
+ *   symmetric (qmax = 127 or 7): amax = max |x| over the block; scale = amax / qmax;
+ *     inv = 1.0f / scale; q = clamp(nearbyint(x * inv), -qmax, qmax); zero point 0.
+ *   asymmetric (qmin, qmax = -128, 127 or -8, 7): lo = min(min(block), 0),
+ *     hi = max(max(block), 0); scale = (hi - lo) / (qmax - qmin); inv = 1.0f / scale;
+ *     zp = clamp(qmin - nearbyint(lo * inv), qmin, qmax);
+ *     q = clamp(nearbyint(x * inv) + zp, qmin, qmax)   (round, then add the integer zp).
+ *   A block whose scale is 0, or so small (below ~2^-128) that inv = 1.0f / scale
+ *   overflows to +Inf, is stored as zeros: scale 0, zero point 0, every q 0. (Its
+ *   elements are all below ~2^-120 in magnitude; this avoids 0 * Inf = NaN.)
+ *   dequantized: y = (float)(q - zp) * scale, in fp32.
+ * The kernels run with the default FP environment whatever the caller's (on x86 MXCSR is
+ * set to round-to-nearest without FTZ/DAZ for the call and restored after), so a caller's
+ * torch.set_flush_denormal or rounding mode cannot change a result.
+ *
+ * Shared argument rules, checked in this order: dtype (AXL_ERR_BAD_DTYPE); rows, cols < 0 or
+ * more than PTRDIFF_MAX/4 elements (AXL_ERR_BAD_SIZE); bits not 4/8 or symmetric not 0/1
+ * (AXL_ERR_BAD_FORMAT); block_size (AXL_ERR_BAD_SIZE); nthreads and isa as for axl_convert;
+ * then, unless rows * cols == 0 (nothing is read or written, pointers may be NULL): NULL
+ * required pointers (AXL_ERR_NULL_POINTER), float / int64 / 16-bit data not aligned to its
+ * element size (AXL_ERR_MISALIGNED), an output sharing a byte with any other buffer
+ * (AXL_ERR_OVERLAP).
+ * Rows are split evenly over the threads; a matrix with few elements stays on the calling
+ * thread. If a worker thread cannot be created the call returns AXL_ERR_RESOURCE and the
+ * outputs are partly written. Nothing is allocated. */
+
+/* w (rows, cols) of src_dtype -> q, scales, zero_points, and optional per-row error
+ * statistics, computed in the same pass while the row is in cache:
+ *   dq = the fp32 dequantized value above; err = (double)x - (double)dq;
+ *   max_err[r] = (float) max |err| over the row;
+ *   signal = sum (double)x * (double)x, noise = sum err * err, each accumulated in double
+ *   in 16 lanes: element k of the row (k = 0 .. cols-1) is added to lane k % 16, and the
+ *   lanes are summed in order, (((l0 + l1) + l2) + ...) + l15;
+ *   sqnr_db[r] = noise == 0 ? +Inf : (float)(10 * log10(signal / noise)) (-Inf when
+ *   signal == 0 < noise).
+ * zero_points: required when asymmetric; when symmetric it may be NULL, and if given is
+ * filled with 0. max_err, sqnr_db: optional (NULL skips it; the statistics are computed if
+ * either is given). bad_row: optional, 8-byte aligned (checked also for an empty matrix);
+ * once the arguments are checked it is set to -1, or, when the call returns
+ * AXL_ERR_NON_FINITE, to the lowest row holding a NaN or Inf or (asymmetric) a block whose
+ * range hi - lo overflows fp32. That row is the same for any nthreads and isa; q and the
+ * other outputs are then unspecified. */
+AXL_API int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int bits,
+                         int symmetric, int64_t block_size, void *q, float *scales,
+                         int8_t *zero_points, float *max_err, float *sqnr_db, int64_t *bad_row,
+                         int nthreads, int isa);
+
+/* The inverse: q, scales, zero_points (layouts above; zero_points NULL = symmetric, i.e.
+ * all 0) -> out (rows, cols) of dst_dtype (F32, BF16 or F16): y = (float)(q - zp) * scale
+ * in fp32, then converted exactly as axl_convert converts f32 to dst_dtype. out must not
+ * overlap the inputs; the inputs may overlap each other. */
+AXL_API int axl_dequantize(const void *q, const float *scales, const int8_t *zero_points,
+                           int64_t rows, int64_t cols, int bits, int64_t block_size,
+                           void *out, int dst_dtype, int nthreads, int isa);
 
 #ifdef __cplusplus
 }

@@ -14,6 +14,8 @@ const char *axl_strerror(int code) {
     case AXL_ERR_MISALIGNED: return "pointer is not aligned to its element size";
     case AXL_ERR_OVERLAP: return "input and output buffers overlap";
     case AXL_ERR_IO: return "a file cannot be opened or read, or ends too early";
+    case AXL_ERR_BAD_FORMAT:
+        return "unsupported quantization format (bits must be 4 or 8, symmetric 0 or 1)";
     default: return "unknown status code";
     }
 }

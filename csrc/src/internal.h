@@ -2,8 +2,10 @@
 #ifndef AXL_INTERNAL_H
 #define AXL_INTERNAL_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "autoxla.h"
 
@@ -58,5 +60,146 @@ AXL_DECLARE_CONVERT(avx512)
  * Both dtypes must be F32, BF16 or F16. What axl_convert runs, for the other entry points
  * that convert (shards.c). */
 axl_convert_fn axl_convert_kernel(int isa, int src_dtype, int dst_dtype);
+
+/* ---- quantization kernels -------------------------------------------------------------
+ * Semantics on axl_quantize / axl_dequantize in autoxla.h. quant.c checks the arguments,
+ * sets the FP environment and splits the rows over threads; a row kernel does one row.
+ * Every vectorised variant must equal the _ref one bit for bit: the helpers below are the
+ * one scalar definition of each step, used by the reference and by the vector kernels for
+ * per-block set-up and tails. */
+
+typedef struct axl_qformat {
+    int64_t cols;   /* elements per row, >= 1 */
+    int64_t block;  /* elements per block: cols, or a multiple of 32 dividing cols */
+    int64_t groups; /* blocks per row: cols / block */
+    int bits;       /* 8 or 4 */
+    int symmetric;  /* 1: q in [-qmax, qmax], zero point 0; 0: q in [qmin, qmax] */
+    int stream;     /* 1: q is large; a kernel may write it with non-temporal stores */
+} axl_qformat;
+
+/* Outputs q of at least this many bytes are written past the caches (where a kernel can):
+ * they would only evict the weight being read, and a large q is read much later. */
+#define AXL_STREAM_MIN_BYTES ((int64_t)1 << 20)
+
+/* Lanes of the error statistics' double accumulators: element k of a row goes to k % 16. */
+#define AXL_QLANES 16
+
+/* One row. w: (cols,) of the kernel's source dtype. q: (cols,) int8 for 8 bits, or
+ * (ceil(cols/2),) uint8 of nibble pairs (element 2j low, 2j+1 high) for 4 bits.
+ * scales: (groups,). zp: (groups,), or NULL (allowed only when symmetric; when symmetric
+ * and non-NULL it receives zeros). max_err, sqnr_db: one float each, both optional; the
+ * statistics are computed when either is given. Returns 0, or 1 if the row holds a NaN or
+ * Inf or (asymmetric) a block's range overflows; the outputs are then partly written. */
+typedef int (*axl_quant_row_fn)(const void *w, const axl_qformat *f, void *q, float *scales,
+                                int8_t *zp, float *max_err, float *sqnr_db);
+
+/* One row back: out (cols,) of the kernel's destination dtype from q (layout above),
+ * scales (groups,) and zp (groups,) or NULL for zero points of 0. */
+typedef void (*axl_dequant_row_fn)(const void *q, const float *scales, const int8_t *zp,
+                                   const axl_qformat *f, void *out);
+
+#define AXL_DECLARE_QUANT(suffix)                                                          \
+    int axl_quant_row_f32_##suffix(const void *w, const axl_qformat *f, void *q,           \
+                                   float *scales, int8_t *zp, float *max_err,              \
+                                   float *sqnr_db);                                        \
+    int axl_quant_row_bf16_##suffix(const void *w, const axl_qformat *f, void *q,          \
+                                    float *scales, int8_t *zp, float *max_err,             \
+                                    float *sqnr_db);                                       \
+    int axl_quant_row_f16_##suffix(const void *w, const axl_qformat *f, void *q,           \
+                                   float *scales, int8_t *zp, float *max_err,              \
+                                   float *sqnr_db);                                        \
+    void axl_dequant_row_f32_##suffix(const void *q, const float *scales, const int8_t *zp, \
+                                      const axl_qformat *f, void *out);                    \
+    void axl_dequant_row_bf16_##suffix(const void *q, const float *scales,                 \
+                                       const int8_t *zp, const axl_qformat *f, void *out); \
+    void axl_dequant_row_f16_##suffix(const void *q, const float *scales, const int8_t *zp, \
+                                      const axl_qformat *f, void *out);
+
+AXL_DECLARE_QUANT(ref)
+#if AXL_X86
+AXL_DECLARE_QUANT(avx2)
+AXL_DECLARE_QUANT(avx512)
+#endif
+
+static inline float axl_f32_from_bits(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static inline uint32_t axl_bits_of_f32(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+/* Largest and smallest stored integer of a format; qmin = -qmax when symmetric. */
+static inline int32_t axl_qmax(const axl_qformat *f) { return f->bits == 8 ? 127 : 7; }
+static inline int32_t axl_qmin(const axl_qformat *f) {
+    return f->symmetric ? -axl_qmax(f) : -axl_qmax(f) - 1;
+}
+
+/* nearbyint(v) for |v| < 2^22 in round-to-nearest-even (the mode quant.c sets): adding
+ * 1.5 * 2^23 leaves no fraction bits. Exact for every |v| < 2^22; the kernels only round
+ * values below 2^9 in magnitude. */
+static inline float axl_round_small(float v) { return (v + 12582912.0f) - 12582912.0f; }
+
+/* A symmetric block's scale and its reciprocal from amax = max |x| (finite, >= 0). A zero
+ * block (scale 0, or a reciprocal that overflows) gets scale 0 and inv 0: every q is 0. */
+static inline void axl_qparams_sym(float amax, float qmax, float *scale, float *inv) {
+    float s = amax / qmax;
+    float r = s > 0 ? 1.0f / s : INFINITY;
+    if (r == INFINITY) s = r = 0;
+    *scale = s;
+    *inv = r;
+}
+
+/* An asymmetric block's scale, reciprocal and zero point from lo = min(min, 0) and
+ * hi = max(max, 0) (finite). Returns 1 if hi - lo overflows (the scale would be Inf), else
+ * 0. A zero block gets scale 0, inv 0 and zero point 0. */
+static inline int axl_qparams_asym(float lo, float hi, int32_t qmin, int32_t qmax, float *scale,
+                                   float *inv, int32_t *zp) {
+    float s = (hi - lo) / (float)(qmax - qmin);
+    if (s == INFINITY) return 1;
+    float r = s > 0 ? 1.0f / s : INFINITY;
+    if (r == INFINITY) {
+        *scale = *inv = 0;
+        *zp = 0;
+        return 0;
+    }
+    int32_t z = qmin - (int32_t)axl_round_small(lo * r);
+    *scale = s;
+    *inv = r;
+    *zp = z < qmin ? qmin : z > qmax ? qmax : z;
+    return 0;
+}
+
+/* One stored integer: clamp(nearbyint(x * inv) + zp, qmin, qmax). */
+static inline int32_t axl_qvalue(float x, float inv, int32_t zp, int32_t qmin, int32_t qmax) {
+    int32_t v = (int32_t)axl_round_small(x * inv) + zp;
+    return v < qmin ? qmin : v > qmax ? qmax : v;
+}
+
+/* The dequantized value of a stored integer: (float)(v - zp) * scale. */
+static inline float axl_dqvalue(int32_t v, int32_t zp, float scale) {
+    return (float)(v - zp) * scale;
+}
+
+/* A 4-bit two's complement nibble (0..15) as an int. */
+static inline int32_t axl_nibble_value(uint32_t nibble) { return (int32_t)(nibble ^ 8u) - 8; }
+
+/* Adds element x with dequantized value dq to one lane of the statistics. */
+static inline void axl_qstats_add(float x, float dq, double *signal, double *noise,
+                                  double *max_abs_err) {
+    double e = (double)x - (double)dq;
+    double a = e < 0 ? -e : e;
+    *signal += (double)x * (double)x;
+    *noise += e * e;
+    if (a > *max_abs_err) *max_abs_err = a;
+}
+
+/* Sums the lanes in order and writes the row's statistics (either pointer may be NULL). */
+void axl_qstats_finish(const double signal[AXL_QLANES], const double noise[AXL_QLANES],
+                       double max_abs_err, float *max_err, float *sqnr_db);
 
 #endif /* AXL_INTERNAL_H */

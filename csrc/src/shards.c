@@ -53,7 +53,8 @@ typedef struct shard_plan {
 
 static void make_plan(shard_plan *p, int ndim, const int64_t *shape, const int64_t *grid,
                       int isa, int src_dtype, int dst_dtype, void *const *dsts) {
-    p->fn = axl_convert_kernel(isa, src_dtype, dst_dtype);
+    /* Equal dtypes copy; that is the only case for I8 and U8 (check_common). */
+    p->fn = src_dtype == dst_dtype ? NULL : axl_convert_kernel(isa, src_dtype, dst_dtype);
     p->ss = axl_dtype_size(src_dtype);
     p->ds = axl_dtype_size(dst_dtype);
     p->dsts = dsts;
@@ -128,6 +129,12 @@ static int is_float_dtype(int dtype) {
     return dtype == AXL_F32 || dtype == AXL_BF16 || dtype == AXL_F16;
 }
 
+/* Float dtypes in any pair (converted); I8 and U8 only to themselves (copied). */
+static int dtypes_ok(int src_dtype, int dst_dtype) {
+    if (is_float_dtype(src_dtype) && is_float_dtype(dst_dtype)) return 1;
+    return src_dtype == dst_dtype && (src_dtype == AXL_I8 || src_dtype == AXL_U8);
+}
+
 /* The byte count of any buffer must fit in a ptrdiff_t, as for axl_convert. */
 #define MAX_ELEMENTS ((int64_t)(PTRDIFF_MAX / 4))
 
@@ -167,7 +174,7 @@ static int check_grid(int ndim, const int64_t *shape, const int64_t *grid, int64
 static int check_common(int ndim, const int64_t *shape, const int64_t *grid, int src_dtype,
                         int dst_dtype, int nthreads, int *isa, int64_t *numel,
                         int64_t *nblocks) {
-    if (!is_float_dtype(src_dtype) || !is_float_dtype(dst_dtype)) return AXL_ERR_BAD_DTYPE;
+    if (!dtypes_ok(src_dtype, dst_dtype)) return AXL_ERR_BAD_DTYPE;
     int status = check_shape(ndim, shape, numel);
     if (status == AXL_OK) status = check_grid(ndim, shape, grid, nblocks);
     if (status != AXL_OK) return status;
@@ -385,7 +392,7 @@ int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
 
 int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int64_t *shape,
                                       int nthreads) {
-    if (!is_float_dtype(src_dtype)) return -AXL_ERR_BAD_DTYPE;
+    if (axl_dtype_size(src_dtype) == 0) return -AXL_ERR_BAD_DTYPE;
     int64_t numel = 0;
     int status = check_shape(ndim, shape, &numel);
     if (status != AXL_OK) return -status;

@@ -163,6 +163,7 @@ int main(void) {
     test_thread_failure();
     test_convert();
     test_shards();
+    test_quant();
     printf("%d passed, %d failed\n", axl_tests_passed, axl_tests_failed);
     return axl_tests_failed ? 1 : 0;
 }

@@ -1,5 +1,6 @@
 /* test_shards.c - axl_scatter_shards and axl_read_shards against a naive per-element
- * reference (for ndim 1..4, every grid of small shapes, odd shapes, all 9 dtype pairs,
+ * reference (for ndim 1..4, every grid of small shapes, odd shapes, all 9 float dtype pairs
+ * and the I8 / U8 copies,
  * every ISA this CPU has, 1/2/3/all threads), read_shards from a file at a non-zero offset,
  * truncated and missing files, scratch sizes, and bad arguments. */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, ftruncate */
@@ -17,7 +18,8 @@
 #define GUARD_BYTE 0xA5
 
 static const int float_dtypes[] = {AXL_F32, AXL_BF16, AXL_F16};
-static const char *const dtype_names[] = {"f32", "bf16", "f16"};
+static const int int_dtypes[] = {AXL_I8, AXL_U8}; /* copied to themselves only */
+static const char *const dtype_names[] = {"f32", "bf16", "f16", "i8", "u8"};
 static const int thread_counts[] = {1, 2, 3, 0};
 
 static uint64_t rng_state = 0x2545F4914F6CDD1Du;
@@ -79,7 +81,10 @@ static void reference(const void *src, int sd, const int64_t *shape, const int64
     int64_t numel = prod(shape, ndim);
     size_t ds = axl_dtype_size(dd);
     char *converted = xmalloc((size_t)numel * ds);
-    CHECK_EQ(axl_convert(src, sd, converted, dd, numel, 1, AXL_ISA_SCALAR), AXL_OK);
+    if (sd == dd) /* also I8 and U8, which axl_convert does not take */
+        memcpy(converted, src, (size_t)numel * ds);
+    else
+        CHECK_EQ(axl_convert(src, sd, converted, dd, numel, 1, AXL_ISA_SCALAR), AXL_OK);
     int64_t b[AXL_MAX_NDIM];
     for (int d = 0; d < ndim; d++) b[d] = shape[d] / grid[d];
     for (int64_t e = 0; e < numel; e++) {
@@ -159,6 +164,7 @@ typedef struct case_opts {
     int all_isas;    /* every ISA (else AUTO only) */
     int all_threads; /* thread counts 1, 2, 3, 0 (else 1) */
     int read;        /* also axl_read_shards from a file */
+    int ints;        /* the I8 and U8 copies instead of the float pairs */
 } case_opts;
 
 static void check_case(const int64_t *shape, const int64_t *grid, int ndim, case_opts opts) {
@@ -166,16 +172,16 @@ static void check_case(const int64_t *shape, const int64_t *grid, int ndim, case
     format_dims(s, sizeof s, shape, ndim);
     format_dims(g, sizeof g, grid, ndim);
     int64_t numel = prod(shape, ndim);
-    for (int a = 0; a < 3; a++) {
-        int sd = float_dtypes[a];
+    for (int a = 0; a < (opts.ints ? 2 : 3); a++) {
+        int sd = opts.ints ? int_dtypes[a] : float_dtypes[a];
         size_t ss = axl_dtype_size(sd);
         void *src = random_source(sd, numel);
         char path[PATH_SIZE];
         int64_t offset = 37; /* odd: the file offset has no alignment to keep */
         int have_file = opts.read && write_temp_file(path, offset, src, (size_t)numel * ss, 5);
         if (opts.read) CHECK_MSG(have_file, "cannot write a temp file for %s", s);
-        for (int b = 0; b < 3; b++) {
-            int dd = float_dtypes[b];
+        for (int b = 0; b < (opts.ints ? 1 : 3); b++) {
+            int dd = opts.ints ? sd : float_dtypes[b];
             blocks want, got;
             blocks_init(&want, shape, grid, ndim, dd);
             blocks_init(&got, shape, grid, ndim, dd);
@@ -254,14 +260,14 @@ static void check_all_grids(const int64_t *shape, int ndim, case_opts opts) {
 
 static void test_small_shapes(void) {
     /* Every grid, every ISA, every thread count, and read_shards too. */
-    const case_opts all = {1, 1, 1};
+    const case_opts all = {1, 1, 1, 0};
     const int64_t s1[] = {12}, s2[] = {6, 4}, s3[] = {4, 3, 2}, s4[] = {2, 3, 1, 4};
     check_all_grids(s1, 1, all);
     check_all_grids(s2, 2, all);
     check_all_grids(s3, 3, all);
     check_all_grids(s4, 4, all);
     /* Odd and prime sizes, size-1 dims; every grid with AUTO and one thread. */
-    const case_opts quick = {0, 0, 1};
+    const case_opts quick = {0, 0, 1, 0};
     const int64_t o1[] = {1}, o2[] = {7}, o3[] = {7, 5}, o4[] = {1, 9}, o5[] = {5, 1, 6},
                   o6[] = {3, 5, 7, 2}, o7[] = {1, 1, 1, 1}, o8[] = {9, 1, 1, 10},
                   o9[] = {2, 15, 6, 1};
@@ -279,7 +285,7 @@ static void test_small_shapes(void) {
 /* Tensors large enough to use several threads (scatter: 2^16 elements; read: 2 MiB), with
  * grids that split rows, columns, both, and nothing. */
 static void test_large_shapes(void) {
-    const case_opts all = {1, 1, 1};
+    const case_opts all = {1, 1, 1, 0};
     typedef struct {
         int ndim;
         int64_t shape[4], grid[4];
@@ -292,6 +298,19 @@ static void test_large_shapes(void) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         check_case(cases[i].shape, cases[i].grid, cases[i].ndim, all);
+}
+
+/* I8 and U8 blocks (quantized weights and their packed nibbles) are plain copies: small
+ * shapes with every grid, and large ones split over threads, scattered and read. */
+static void test_integer_copies(void) {
+    const case_opts all = {1, 1, 1, 1};
+    const int64_t s2[] = {6, 4}, s3[] = {4, 3, 2}, o3[] = {7, 5};
+    check_all_grids(s2, 2, all);
+    check_all_grids(s3, 3, all);
+    check_all_grids(o3, 2, all);
+    const int64_t big[] = {1024, 520}, grid_cols[] = {1, 8}, grid_rows[] = {8, 1};
+    check_case(big, grid_cols, 2, all);
+    check_case(big, grid_rows, 2, all);
 }
 
 /* ---- files that are missing or too short -------------------------------------------------- */
@@ -408,7 +427,9 @@ static void test_scratch_bytes(void) {
     CHECK_EQ(axl_read_shards_scratch_bytes(AXL_F16, 1, vec, 8), 2 * ((int64_t)1 << 20));
     const int64_t empty[] = {0, 5};
     CHECK_EQ(axl_read_shards_scratch_bytes(AXL_F16, 2, empty, 8), 0);
-    CHECK_EQ(axl_read_shards_scratch_bytes(AXL_I8, 2, big, 1), -AXL_ERR_BAD_DTYPE);
+    CHECK_EQ(axl_read_shards_scratch_bytes(AXL_I8, 2, big, 1), ((8 << 20) / (row / 2)) * (row / 2));
+    CHECK_EQ(axl_read_shards_scratch_bytes(-1, 2, big, 1), -AXL_ERR_BAD_DTYPE);
+    CHECK_EQ(axl_read_shards_scratch_bytes(AXL_DTYPE_COUNT, 2, big, 1), -AXL_ERR_BAD_DTYPE);
     CHECK_EQ(axl_read_shards_scratch_bytes(AXL_BF16, 0, big, 1), -AXL_ERR_BAD_SIZE);
     CHECK_EQ(axl_read_shards_scratch_bytes(AXL_BF16, 9, big, 1), -AXL_ERR_BAD_SIZE);
     CHECK_EQ(axl_read_shards_scratch_bytes(AXL_BF16, 2, NULL, 1), -AXL_ERR_NULL_POINTER);
@@ -443,6 +464,19 @@ static void test_bad_arguments(void) {
         CHECK_EQ(READ(path, 0, AXL_F32, 2, shape, grid, dsts, bd, scratch, 512, 1, 0),
                  AXL_ERR_BAD_DTYPE);
     }
+
+    /* I8 and U8 only to themselves. */
+    const int int_pairs[][2] = {{AXL_I8, AXL_U8}, {AXL_U8, AXL_I8}, {AXL_I8, AXL_BF16},
+                                {AXL_F16, AXL_U8}, {AXL_U8, AXL_F32}};
+    for (size_t i = 0; i < sizeof int_pairs / sizeof *int_pairs; i++) {
+        int sd = int_pairs[i][0], dd = int_pairs[i][1];
+        CHECK_EQ(SCATTER(src, sd, 2, shape, grid, dsts, dd, 1, 0), AXL_ERR_BAD_DTYPE);
+        CHECK_EQ(READ(path, 0, sd, 2, shape, grid, dsts, dd, scratch, 512, 1, 0),
+                 AXL_ERR_BAD_DTYPE);
+    }
+    CHECK_EQ(SCATTER(src, AXL_I8, 2, shape, grid, dsts, AXL_I8, 1, 0), AXL_OK);
+    CHECK_EQ(READ(path, 0, AXL_U8, 2, shape, grid, dsts, AXL_U8, scratch, 512, 1, 0), AXL_OK);
+    CHECK_EQ(SCATTER(src + 1, AXL_U8, 2, shape, grid, dsts, AXL_U8, 1, 0), AXL_OK); /* bytes */
 
     /* ndim, shape and grid. */
     const int bad_ndims[] = {0, -1, AXL_MAX_NDIM + 1, 1000};
@@ -573,6 +607,7 @@ static void test_bad_arguments(void) {
 void test_shards(void) {
     test_small_shapes();
     test_large_shapes();
+    test_integer_copies();
     test_bad_files();
     test_thread_failure();
     test_scratch_bytes();

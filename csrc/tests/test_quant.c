@@ -1,0 +1,883 @@
+/* test_quant.c - axl_quantize / axl_dequantize: golden bytes pinning the int4 nibble order,
+ * the scalar reference against the documented formulas (values, dequantized values, error
+ * statistics, the half-step error bound), every vectorised ISA equal to the reference bit
+ * for bit (every source and destination dtype, every format, odd widths, 1/2/3/all
+ * threads, with FTZ/DAZ and another rounding mode set by the caller), zero blocks,
+ * subnormals, NaN/Inf rows, thread creation failure, and bad arguments. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "test.h"
+
+#if AXL_X86
+#include <xmmintrin.h> /* _mm_getcsr / _mm_setcsr */
+#endif
+
+#define GUARD 64 /* bytes after every output buffer that must stay untouched */
+#define GUARD_BYTE 0xA5
+
+static const int float_dtypes[] = {AXL_F32, AXL_BF16, AXL_F16};
+static const char *const dtype_names[] = {"f32", "bf16", "f16"};
+static const int thread_counts[] = {1, 2, 3, 0};
+
+static uint64_t rng_state = 0x853C49E6748FEA9Bu;
+static uint32_t rng_u32(void) { return axl_test_rng(&rng_state); }
+static float rng_unit(void) { return (float)(rng_u32() >> 8) * (1.0f / 16777216.0f); }
+/* Roughly normal: the sum of four uniforms, centred. */
+static float rng_normal(void) {
+    return (rng_unit() + rng_unit() + rng_unit() + rng_unit() - 2.0f) * 1.7320508f;
+}
+
+static int isa_available(int isa) {
+    return axl_convert(NULL, AXL_F32, NULL, AXL_F32, 0, 1, isa) == AXL_OK;
+}
+
+/* ---- weights ----------------------------------------------------------------------------- */
+
+/* f32 value -> element i of a buffer of dtype (rounded as axl_convert rounds). */
+static void put(void *buf, int dtype, int64_t i, float x) {
+    uint32_t b = axl_bits_of_f32(x);
+    if (dtype == AXL_F32)
+        ((float *)buf)[i] = x;
+    else if (dtype == AXL_BF16)
+        ((uint16_t *)buf)[i] = axl_f32_bits_to_bf16(b);
+    else
+        ((uint16_t *)buf)[i] = axl_f32_bits_to_f16(b);
+}
+
+/* Element i of a buffer of dtype, widened to f32. */
+static float get(const void *buf, int dtype, int64_t i) {
+    if (dtype == AXL_F32) return ((const float *)buf)[i];
+    uint16_t h = ((const uint16_t *)buf)[i];
+    return axl_f32_from_bits(dtype == AXL_BF16 ? (uint32_t)h << 16 : axl_f16_to_f32_bits(h));
+}
+
+enum { ROW_KINDS = 11 };
+
+/* Row r of a test weight, by kind r % ROW_KINDS: ordinary values at a per-row magnitude,
+ * all zeros, zero blocks among ordinary ones, subnormals of the dtype, exact rounding ties,
+ * one sign only, a single outlier, values so small that a scale's reciprocal overflows,
+ * and the extremes of the dtype. */
+static void fill_row(void *w, int dtype, int64_t r, int64_t cols) {
+    const int64_t at = r * cols;
+    const int kind = (int)(r % ROW_KINDS);
+    const float max_mag = dtype == AXL_F16 ? 6.0e4f : 3.0e38f;
+    float mag = powf(10.0f, -3.0f + 6.0f * rng_unit());
+    for (int64_t k = 0; k < cols; k++) {
+        float x = rng_normal() * mag;
+        switch (kind) {
+        case 1: x = 0; break;
+        case 2: if ((k / 32) % 3 == 1) x = (k & 1) ? -0.0f : 0.0f; break;
+        case 3: /* subnormals of the dtype, and its smallest normals */
+            if (dtype == AXL_F16)
+                x = (float)((int)(rng_u32() % 2047) - 1023) * 5.9604645e-8f; /* k * 2^-24 */
+            else
+                x = axl_f32_from_bits((rng_u32() & 0x80000000u) |
+                                      (rng_u32() & 0x00FFFFFFu) >> (rng_u32() % 8));
+            break;
+        case 4: x = (float)((int)(rng_u32() % 509) - 254) * 0.5f; break; /* k/2: ties */
+        case 5: x = x < 0 ? -x : x; break;
+        case 6: x = x > 0 ? -x : x; break;
+        case 7: x = k == cols / 2 ? fminf(mag * 1000.0f, max_mag) : x; break; /* an outlier */
+        case 8: /* tiny: subnormal scales, and scales whose reciprocal overflows */
+            x = rng_normal() * (dtype == AXL_F16 ? 1.0e-7f : powf(10.0f, -39.0f + 4 * rng_unit()));
+            break;
+        case 9: /* up to the dtype's largest; one sign, so hi - lo cannot overflow */
+            x = (r & 1 ? -1.0f : 1.0f) * max_mag * rng_unit();
+            break;
+        default: break;
+        }
+        put(w, dtype, at + k, x);
+    }
+}
+
+static void *make_weight(int dtype, int64_t rows, int64_t cols) {
+    void *w = xmalloc((size_t)(rows * cols) * axl_dtype_size(dtype));
+    for (int64_t r = 0; r < rows; r++) fill_row(w, dtype, r, cols);
+    return w;
+}
+
+/* ---- results ----------------------------------------------------------------------------- */
+
+typedef struct qres {
+    int64_t rows, cols, groups;
+    int bits;
+    size_t q_bytes;
+    unsigned char *q;
+    float *scales;
+    int8_t *zp;
+    float *max_err, *sqnr;
+    int64_t bad_row;
+} qres;
+
+static void *guarded(size_t bytes) {
+    unsigned char *p = xmalloc(bytes + GUARD);
+    memset(p, GUARD_BYTE, bytes + GUARD);
+    return p;
+}
+
+static int guard_intact(const void *p, size_t bytes) {
+    const unsigned char *g = (const unsigned char *)p + bytes;
+    for (size_t i = 0; i < GUARD; i++)
+        if (g[i] != GUARD_BYTE) return 0;
+    return 1;
+}
+
+/* A guarded buffer of `bytes` that was never written. */
+static int untouched(const void *p, size_t bytes) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < bytes + GUARD; i++)
+        if (b[i] != GUARD_BYTE) return 0;
+    return 1;
+}
+
+static int64_t q_row_bytes(int64_t cols, int bits) { return bits == 8 ? cols : (cols + 1) / 2; }
+
+static void qres_init(qres *r, int64_t rows, int64_t cols, int bits, int64_t block) {
+    r->rows = rows;
+    r->cols = cols;
+    r->bits = bits;
+    r->groups = cols ? cols / block : 0;
+    r->q_bytes = (size_t)(rows * q_row_bytes(cols, bits));
+    r->q = guarded(r->q_bytes);
+    r->scales = guarded((size_t)(rows * r->groups) * 4);
+    r->zp = guarded((size_t)(rows * r->groups));
+    r->max_err = guarded((size_t)rows * 4);
+    r->sqnr = guarded((size_t)rows * 4);
+    r->bad_row = -2;
+}
+
+static void qres_free(qres *r) {
+    free(r->q);
+    free(r->scales);
+    free(r->zp);
+    free(r->max_err);
+    free(r->sqnr);
+}
+
+static int qres_guards(const qres *r) {
+    size_t sg = (size_t)(r->rows * r->groups);
+    return guard_intact(r->q, r->q_bytes) && guard_intact(r->scales, sg * 4) &&
+           guard_intact(r->zp, sg) && guard_intact(r->max_err, (size_t)r->rows * 4) &&
+           guard_intact(r->sqnr, (size_t)r->rows * 4);
+}
+
+static int run_quantize(const void *w, int dt, int symmetric, int64_t block, int stats,
+                        qres *r, int nthreads, int isa) {
+    return axl_quantize(w, dt, r->rows, r->cols, r->bits, symmetric, block, r->q, r->scales,
+                        symmetric ? NULL : r->zp, stats ? r->max_err : NULL,
+                        stats ? r->sqnr : NULL, &r->bad_row, nthreads, isa);
+}
+
+/* Name of the first output that differs ("" if none). */
+static const char *qres_diff(const qres *a, const qres *b, int symmetric, int stats) {
+    size_t sg = (size_t)(a->rows * a->groups);
+    if (memcmp(a->q, b->q, a->q_bytes)) return "q";
+    if (memcmp(a->scales, b->scales, sg * 4)) return "scales";
+    if (!symmetric && memcmp(a->zp, b->zp, sg)) return "zero points";
+    if (stats && memcmp(a->max_err, b->max_err, (size_t)a->rows * 4)) return "max_err";
+    if (stats && memcmp(a->sqnr, b->sqnr, (size_t)a->rows * 4)) return "sqnr_db";
+    if (!qres_guards(b)) return "guard bytes";
+    return "";
+}
+
+/* Stored integer k of row r. */
+static int32_t q_at(const qres *r, int64_t row, int64_t k) {
+    const unsigned char *p = r->q + row * q_row_bytes(r->cols, r->bits);
+    if (r->bits == 8) return (int8_t)p[k];
+    return axl_nibble_value((p[k / 2] >> (4 * (k & 1))) & 0xFu);
+}
+
+/* ---- the reference against the documented arithmetic ------------------------------------ */
+
+/* Re-derives every output of a scalar run from the formulas in autoxla.h, written out
+ * independently, and checks the half-step error bound. Returns the number of failures. */
+static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t block,
+                              const qres *r, const char *what) {
+    const int32_t qmax = r->bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
+    int64_t bad = 0;
+    for (int64_t row = 0; row < r->rows && bad < 5; row++) {
+        double sig[16] = {0}, noi[16] = {0}, emax = 0;
+        for (int64_t g = 0; g < r->groups; g++) {
+            float lo = 0, hi = 0, amax = 0;
+            for (int64_t k = g * block; k < (g + 1) * block; k++) {
+                float x = get(w, dt, row * r->cols + k);
+                amax = fabsf(x) > amax ? fabsf(x) : amax;
+                lo = x < lo ? x : lo;
+                hi = x > hi ? x : hi;
+            }
+            float scale = symmetric ? amax / (float)qmax : (hi - lo) / (float)(qmax - qmin);
+            float inv = scale > 0 ? 1.0f / scale : INFINITY;
+            int32_t zp = 0;
+            if (isinf(inv)) scale = inv = 0;
+            else if (!symmetric) {
+                zp = qmin - (int32_t)nearbyintf(lo * inv);
+                zp = zp < qmin ? qmin : zp > qmax ? qmax : zp;
+            }
+            float got_scale = r->scales[row * r->groups + g];
+            int32_t got_zp = symmetric ? 0 : r->zp[row * r->groups + g];
+            if (memcmp(&got_scale, &scale, 4) || got_zp != zp) {
+                CHECK_MSG(0, "%s row %lld block %lld: scale %a zp %d, want %a zp %d", what,
+                          (long long)row, (long long)g, got_scale, got_zp, scale, zp);
+                bad++;
+                continue;
+            }
+            for (int64_t k = g * block; k < (g + 1) * block; k++) {
+                float x = get(w, dt, row * r->cols + k);
+                int32_t v = (int32_t)nearbyintf(x * inv) + zp;
+                v = v < qmin ? qmin : v > qmax ? qmax : v;
+                int32_t got = q_at(r, row, k);
+                float dq = (float)(v - zp) * scale;
+                /* Half a step, plus the scale's and the product's fp32 rounding (about
+                 * 2^-15 of a step, see test_quantize.py), plus 2^-149 for subnormal
+                 * products; a zero block holds only values below 2^-120. */
+                double err = fabs((double)x - (double)dq);
+                double bound = scale > 0 ? scale * (0.5 + 1.0 / 8192) + 0x1p-149 : 0x1p-120;
+                if (got != v || err > bound) {
+                    CHECK_MSG(0, "%s row %lld col %lld: x %a q %d want %d, |x - dq| %g > %g",
+                              what, (long long)row, (long long)k, x, got, v, err, bound);
+                    bad++;
+                    break;
+                }
+                double e = (double)x - (double)dq;
+                sig[k % 16] += (double)x * (double)x;
+                noi[k % 16] += e * e;
+                emax = fabs(e) > emax ? fabs(e) : emax;
+            }
+        }
+        double s = sig[0], n = noi[0];
+        for (int l = 1; l < 16; l++) {
+            s += sig[l];
+            n += noi[l];
+        }
+        float want_sqnr = n == 0 ? INFINITY : (float)(10 * log10(s / n));
+        float want_max = (float)emax;
+        if (memcmp(&want_max, &r->max_err[row], 4) || memcmp(&want_sqnr, &r->sqnr[row], 4)) {
+            CHECK_MSG(0, "%s row %lld: max_err %a sqnr %a, want %a %a", what, (long long)row,
+                      r->max_err[row], r->sqnr[row], want_max, want_sqnr);
+            bad++;
+        }
+    }
+    return bad;
+}
+
+/* Dequantizes with the reference and checks against (float)(q - zp) * scale converted by
+ * axl_convert's scalar kernel. */
+static void check_dequant_formula(const qres *r, int symmetric, int64_t block, int dd,
+                                  const void *out, const char *what) {
+    size_t ds = axl_dtype_size(dd);
+    int64_t n = r->rows * r->cols;
+    float *y = xmalloc((size_t)n * 4);
+    void *want = xmalloc((size_t)n * ds);
+    for (int64_t row = 0; row < r->rows; row++)
+        for (int64_t k = 0; k < r->cols; k++) {
+            int64_t g = row * r->groups + k / block;
+            int32_t zp = symmetric ? 0 : r->zp[g];
+            y[row * r->cols + k] = (float)(q_at(r, row, k) - zp) * r->scales[g];
+        }
+    CHECK_EQ(axl_convert(y, AXL_F32, want, dd, n, 1, AXL_ISA_SCALAR), AXL_OK);
+    CHECK_MSG(memcmp(want, out, (size_t)n * ds) == 0, "%s: dequantized values differ", what);
+    free(y);
+    free(want);
+}
+
+/* ---- every ISA against the reference ----------------------------------------------------- */
+
+/* Block sizes of a width: per-channel, then the multiples of 32 dividing it up to 1024. */
+static int block_sizes(int64_t cols, int64_t *out) {
+    int n = 0;
+    out[n++] = cols;
+    for (int64_t b = 32; b <= 1024 && b < cols; b += 32)
+        if (cols % b == 0) out[n++] = b;
+    return n;
+}
+
+typedef struct case_opts {
+    int formulas;    /* check the reference against the formulas */
+    int all_threads; /* 1, 2, 3, 0 threads too */
+} case_opts;
+
+/* One weight: the reference, then every ISA (with and without statistics), for every
+ * format and block size; dequantized back to every dtype by every ISA. */
+static void check_weight(const void *w, int dt, int64_t rows, int64_t cols, case_opts opts) {
+    int64_t blocks[64];
+    int nblocks = block_sizes(cols, blocks);
+    size_t n = (size_t)(rows * cols);
+    for (int bits = 4; bits <= 8; bits += 4)
+        for (int symmetric = 0; symmetric <= 1; symmetric++)
+            for (int bi = 0; bi < nblocks; bi++) {
+                int64_t block = blocks[bi];
+                char what[160];
+                snprintf(what, sizeof what, "%s %lldx%lld int%d %s block %lld", dtype_names[dt],
+                         (long long)rows, (long long)cols, bits, symmetric ? "sym" : "asym",
+                         (long long)block);
+                qres want;
+                qres_init(&want, rows, cols, bits, block);
+                int status = run_quantize(w, dt, symmetric, block, 1, &want, 1, AXL_ISA_SCALAR);
+                CHECK_MSG(status == AXL_OK && want.bad_row == -1, "%s: status %d bad_row %lld",
+                          what, status, (long long)want.bad_row);
+                CHECK_MSG(qres_guards(&want), "%s: reference wrote past a buffer", what);
+                if (opts.formulas) check_formulas(w, dt, symmetric, block, &want, what);
+                void *want_out[3], *got_out = xmalloc(n * 4 + GUARD);
+                for (int d = 0; d < 3; d++) {
+                    want_out[d] = xmalloc(n * axl_dtype_size(d));
+                    CHECK_EQ(axl_dequantize(want.q, want.scales, symmetric ? NULL : want.zp, rows,
+                                            cols, bits, block, want_out[d], d, 1, AXL_ISA_SCALAR),
+                             AXL_OK);
+                    if (opts.formulas) check_dequant_formula(&want, symmetric, block, d, want_out[d], what);
+                }
+                for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+                    if (!isa_available(isa)) continue;
+                    for (size_t t = 0; t < (opts.all_threads ? 4u : 1u); t++)
+                        for (int stats = 0; stats <= 1; stats++) {
+                            int nt = thread_counts[t];
+                            qres got;
+                            qres_init(&got, rows, cols, bits, block);
+                            status = run_quantize(w, dt, symmetric, block, stats, &got, nt, isa);
+                            const char *diff = qres_diff(&want, &got, symmetric, stats);
+                            CHECK_MSG(status == AXL_OK && got.bad_row == -1 && !*diff,
+                                      "%s isa %s nthreads %d stats %d: status %d, %s differ", what,
+                                      axl_isa_name(isa), nt, stats, status, diff);
+                            if (!stats) /* no statistics asked: none written */
+                                CHECK(untouched(got.max_err, (size_t)rows * 4) &&
+                                      untouched(got.sqnr, (size_t)rows * 4));
+                            qres_free(&got);
+                        }
+                    for (int d = 0; d < 3; d++)
+                        for (size_t t = 0; t < (opts.all_threads ? 4u : 1u); t++) {
+                            size_t bytes = n * axl_dtype_size(d);
+                            memset(got_out, GUARD_BYTE, bytes + GUARD);
+                            status = axl_dequantize(want.q, want.scales, symmetric ? NULL : want.zp,
+                                                    rows, cols, bits, block, got_out, d,
+                                                    thread_counts[t], isa);
+                            CHECK_MSG(status == AXL_OK && memcmp(got_out, want_out[d], bytes) == 0 &&
+                                          guard_intact(got_out, bytes),
+                                      "%s dequantize -> %s isa %s nthreads %d: status %d", what,
+                                      dtype_names[d], axl_isa_name(isa), thread_counts[t], status);
+                        }
+                }
+                for (int d = 0; d < 3; d++) free(want_out[d]);
+                free(got_out);
+                qres_free(&want);
+            }
+}
+
+static void test_isas_match_reference(void) {
+    const int64_t widths[] = {1, 7, 16, 32, 77, 96, 333, 1024, 2048};
+    const case_opts opts = {1, 0};
+    for (size_t c = 0; c < sizeof widths / sizeof *widths; c++)
+        for (int a = 0; a < 3; a++) {
+            int64_t cols = widths[c];
+            /* Enough rows for every row kind; fewer for the widest. */
+            int64_t rows = cols >= 1024 ? ROW_KINDS + 1 : ROW_KINDS * 2 + 1 + (int64_t)(rng_u32() % 5);
+            void *w = make_weight(float_dtypes[a], rows, cols);
+            check_weight(w, float_dtypes[a], rows, cols, opts);
+            free(w);
+        }
+}
+
+/* Large enough for several threads (2^16 elements each), with odd widths. */
+static void test_threads(void) {
+    const case_opts opts = {0, 1};
+    const int64_t shapes[][2] = {{300, 1000}, {41, 4096}, {1000, 333}};
+    for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++) {
+        int dt = float_dtypes[s % 3];
+        void *w = make_weight(dt, shapes[s][0], shapes[s][1]);
+        check_weight(w, dt, shapes[s][0], shapes[s][1], opts);
+        free(w);
+    }
+}
+
+/* Outputs of at least AXL_STREAM_MIN_BYTES are written with non-temporal stores where a
+ * row is aligned: same bytes as the reference, also from a misaligned q. */
+static void test_large_outputs(void) {
+    const int64_t rows = 520, cols = 4096;
+    const struct {
+        int bits, symmetric;
+        int64_t block;
+    } formats[] = {{8, 1, 4096}, {4, 0, 64}, {8, 0, 128}, {4, 1, 32}};
+    void *w = make_weight(AXL_BF16, rows, cols);
+    for (size_t f = 0; f < sizeof formats / sizeof *formats; f++) {
+        int bits = formats[f].bits, symmetric = formats[f].symmetric;
+        int64_t block = formats[f].block;
+        CHECK(rows * q_row_bytes(cols, bits) >= AXL_STREAM_MIN_BYTES);
+        qres want;
+        qres_init(&want, rows, cols, bits, block);
+        CHECK_EQ(run_quantize(w, AXL_BF16, symmetric, block, 1, &want, 1, AXL_ISA_SCALAR), AXL_OK);
+        for (int isa = AXL_ISA_AVX2; isa < AXL_ISA_COUNT; isa++) {
+            if (!isa_available(isa)) continue;
+            for (int offset = 0; offset <= 1; offset++)
+                for (int stats = 0; stats <= 1; stats++) {
+                    qres got;
+                    qres_init(&got, rows, cols, bits, block);
+                    unsigned char *base = got.q;
+                    got.q = guarded(got.q_bytes + 1); /* q at an odd address when offset 1 */
+                    free(base);
+                    base = got.q;
+                    got.q += offset;
+                    int status = run_quantize(w, AXL_BF16, symmetric, block, stats, &got, 0, isa);
+                    const char *diff = qres_diff(&want, &got, symmetric, stats);
+                    CHECK_MSG(status == AXL_OK && !*diff,
+                              "int%d %s block %lld isa %s q offset %d stats %d: %s differ", bits,
+                              symmetric ? "sym" : "asym", (long long)block, axl_isa_name(isa),
+                              offset, stats, diff);
+                    got.q = base;
+                    qres_free(&got);
+                }
+        }
+        qres_free(&want);
+    }
+    free(w);
+}
+
+/* The caller's FTZ/DAZ and rounding mode change nothing, and are restored. */
+static void test_fp_environment(void) {
+#if AXL_X86
+    const int64_t rows = 40 * ROW_KINDS, cols = 320; /* 140k elements: 2 threads */
+    for (int a = 0; a < 3; a++) {
+        int dt = float_dtypes[a];
+        void *w = make_weight(dt, rows, cols);
+        for (int symmetric = 0; symmetric <= 1; symmetric++) {
+            qres want;
+            qres_init(&want, rows, cols, 8, 32);
+            CHECK_EQ(run_quantize(w, dt, symmetric, 32, 1, &want, 1, AXL_ISA_SCALAR), AXL_OK);
+            const unsigned int modes[] = {0x8040u, 0x4000u | 0x8040u, 0x2000u, 0x6000u};
+            for (size_t m = 0; m < sizeof modes / sizeof *modes; m++)
+                for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+                    if (!isa_available(isa)) continue;
+                    qres got;
+                    qres_init(&got, rows, cols, 8, 32);
+                    unsigned int csr = _mm_getcsr();
+                    unsigned int set = (csr & ~0xE040u) | modes[m];
+                    _mm_setcsr(set);
+                    int status = run_quantize(w, dt, symmetric, 32, 1, &got, 2, isa);
+                    unsigned int after = _mm_getcsr();
+                    _mm_setcsr(csr);
+                    const char *diff = qres_diff(&want, &got, symmetric, 1);
+                    CHECK_MSG(status == AXL_OK && !*diff, "%s MXCSR 0x%x isa %s: %s differ",
+                              dtype_names[dt], set, axl_isa_name(isa), diff);
+                    CHECK_MSG((after & ~0x3Fu) == (set & ~0x3Fu), "MXCSR 0x%x not restored: 0x%x",
+                              set, after);
+                    qres_free(&got);
+                }
+            qres_free(&want);
+        }
+        free(w);
+    }
+#endif
+}
+
+/* ---- golden bytes --------------------------------------------------------------------------- */
+
+typedef struct golden {
+    int bits, symmetric;
+    int64_t cols, block;
+    float w[8];
+    unsigned char q[8];
+    float scale[2];
+    int8_t zp[2];
+} golden;
+
+static const golden goldens[] = {
+    /* int4 symmetric, 5 values: amax 7, scale 1; 3.5 is a tie and rounds to even 4.
+     * q = 7, -7, 1, -1, 4: bytes (lo | hi << 4) 0x97, 0xF1, and 0x04 with a 0 padding nibble. */
+    {4, 1, 5, 5, {7, -7, 1, -1, 3.5f}, {0x97, 0xF1, 0x04}, {1.0f}, {0}},
+    /* int4 asymmetric: lo -3, hi 12, scale 15/15 = 1, zp = -8 - (-3) = -5.
+     * q = -8, 7, -5, rint(2.5) - 5 = -3, 7 - 5 = 2: bytes 0x78, 0xDB, 0x02. */
+    {4, 0, 5, 5, {-3, 12, 0, 2.5f, 7}, {0x78, 0xDB, 0x02}, {1.0f}, {-5}},
+    /* int4 symmetric, 6 values: 0.5 and -0.5 are ties to even 0; -1.5 -> -2 (even). */
+    {4, 1, 6, 6, {0.5f, -0.5f, -1.5f, 7, 2.5f, -7}, {0x00, 0x7E, 0x92}, {1.0f}, {0}},
+    /* int8 asymmetric: lo -1, hi 254, scale 1, zp -127: -1 -> -128, 254 -> 127, 0 -> -127. */
+    {8, 0, 3, 3, {-1, 254, 0}, {0x80, 0x7F, 0x81}, {1.0f}, {-127}},
+    /* int8 symmetric: amax 254, scale 2; 3 -> 1.5 -> 2, 5 -> 2.5 -> 2, -254 -> -127. */
+    {8, 1, 3, 3, {3, 5, -254}, {0x02, 0x02, 0x81}, {2.0f}, {0}},
+};
+
+static void test_goldens(void) {
+    for (size_t i = 0; i < sizeof goldens / sizeof *goldens; i++) {
+        const golden *g = &goldens[i];
+        for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+            if (!isa_available(isa)) continue;
+            unsigned char q[8];
+            float scale[2];
+            int8_t zp[2] = {99, 99};
+            memset(q, 0xEE, sizeof q);
+            int64_t bad = 7;
+            int status = axl_quantize(g->w, AXL_F32, 1, g->cols, g->bits, g->symmetric, g->block,
+                                      q, scale, zp, NULL, NULL, &bad, 1, isa);
+            size_t qb = (size_t)q_row_bytes(g->cols, g->bits);
+            CHECK_MSG(status == AXL_OK && bad == -1, "golden %zu isa %s: status %d", i,
+                      axl_isa_name(isa), status);
+            for (size_t b = 0; b < qb; b++)
+                CHECK_MSG(q[b] == g->q[b], "golden %zu isa %s byte %zu: 0x%02x, want 0x%02x", i,
+                          axl_isa_name(isa), b, q[b], g->q[b]);
+            CHECK_MSG(q[qb] == 0xEE, "golden %zu: wrote past the row", i);
+            CHECK_MSG(scale[0] == g->scale[0] && zp[0] == g->zp[0],
+                      "golden %zu isa %s: scale %g zp %d, want %g %d", i, axl_isa_name(isa),
+                      scale[0], zp[0], g->scale[0], g->zp[0]);
+            float back[8];
+            CHECK_EQ(axl_dequantize(q, scale, g->symmetric ? NULL : zp, 1, g->cols, g->bits,
+                                    g->block, back, AXL_F32, 1, isa),
+                     AXL_OK);
+            for (int64_t k = 0; k < g->cols; k++)
+                CHECK_MSG(fabsf(back[k] - g->w[k]) <= 0.5f * g->scale[0],
+                          "golden %zu: element %lld back %g from %g", i, (long long)k, back[k],
+                          g->w[k]);
+        }
+    }
+    /* Two blocks of 32 of int4: the nibble order holds across the block boundary. */
+    float w[64];
+    unsigned char q[32];
+    float scales[2];
+    for (int k = 0; k < 64; k++) w[k] = k < 32 ? (float)(k % 15 - 7) : (float)(k % 15 - 7) * 10;
+    CHECK_EQ(axl_quantize(w, AXL_F32, 1, 64, 4, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1,
+                          AXL_ISA_AUTO),
+             AXL_OK);
+    CHECK(scales[0] == 1.0f && scales[1] == 10.0f);
+    for (int j = 0; j < 32; j++) {
+        int lo = (2 * j) % 15 - 7, hi = (2 * j + 1) % 15 - 7;
+        CHECK_MSG(q[j] == (unsigned char)((lo & 0xF) | (hi & 0xF) << 4), "byte %d: 0x%02x", j,
+                  q[j]);
+    }
+}
+
+/* ---- special rows -------------------------------------------------------------------------- */
+
+/* All-zero rows and blocks: q 0, scale 0, zero point 0, error 0, SQNR +Inf; subnormal
+ * rows: exact scales, and every ISA agrees (covered by the reference checks above too). */
+static void test_zero_and_tiny(void) {
+    const int64_t rows = 4, cols = 64;
+    float w[4 * 64];
+    memset(w, 0, sizeof w);
+    for (int k = 32; k < 64; k++) w[2 * 64 + k] = (float)k; /* row 2: zero block then values */
+    for (int k = 0; k < 64; k++) w[3 * 64 + k] = 1e-45f * (float)(k % 3); /* 0 and 2^-149 *k */
+    for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+        if (!isa_available(isa)) continue;
+        for (int bits = 4; bits <= 8; bits += 4)
+            for (int symmetric = 0; symmetric <= 1; symmetric++) {
+                qres r;
+                qres_init(&r, rows, cols, bits, 32);
+                CHECK_EQ(run_quantize(w, AXL_F32, symmetric, 32, 1, &r, 1, isa), AXL_OK);
+                const int64_t qb = q_row_bytes(cols, bits);
+                for (int row = 0; row < 4; row++) {
+                    /* Rows 0, 1 and 3 are all zero blocks, row 2's first block is. */
+                    int64_t nonzero = 0, nq = row == 2 ? qb / 2 : qb;
+                    for (int64_t b = 0; b < nq; b++) nonzero += r.q[row * qb + b] != 0;
+                    const float *s = r.scales + row * 2;
+                    CHECK_MSG(nonzero == 0 && s[0] == 0 && !signbit(s[0]) &&
+                                  (row == 2 ? s[1] > 0 : s[1] == 0 && !signbit(s[1])),
+                              "row %d isa %s int%d sym %d: %lld non-zero bytes, scales %g %g", row,
+                              axl_isa_name(isa), bits, symmetric, (long long)nonzero, s[0], s[1]);
+                    if (!symmetric) CHECK(r.zp[row * 2] == 0 && (row == 2 || r.zp[row * 2 + 1] == 0));
+                }
+                CHECK(r.max_err[0] == 0 && r.max_err[1] == 0);
+                CHECK(isinf(r.sqnr[0]) && r.sqnr[0] > 0 && isinf(r.sqnr[1]) && r.sqnr[1] > 0);
+                /* Row 2's zero block is exact: the row's error comes from the other block. */
+                CHECK(r.max_err[2] <= 0.5f * r.scales[5] * 1.001f && r.sqnr[2] > 20);
+                /* Row 3 (0, 2^-149, 2^-148): its scales underflow, so it becomes zeros; the
+                 * error is the signal: 0 dB. */
+                CHECK_MSG(r.max_err[3] == 0x1p-148f && r.sqnr[3] == 0.0f, "row 3: %a %g",
+                          r.max_err[3], r.sqnr[3]);
+                qres_free(&r);
+            }
+    }
+    /* signal 0 < noise cannot happen (a zero block is exact); a row of 2^-149 values with
+     * int4 symmetric: scale 2^-149 / 7 underflows to 0, the row becomes zeros, SQNR 0 dB. */
+    float tiny[32];
+    for (int k = 0; k < 32; k++) tiny[k] = 1e-45f;
+    unsigned char q[32];
+    float scale, max_err, sqnr;
+    CHECK_EQ(axl_quantize(tiny, AXL_F32, 1, 32, 4, 1, 32, q, &scale, NULL, &max_err, &sqnr, NULL,
+                          1, AXL_ISA_AUTO),
+             AXL_OK);
+    CHECK(scale == 0 && max_err == 1e-45f && sqnr == 0.0f);
+}
+
+/* NaN and Inf rows: AXL_ERR_NON_FINITE and the lowest such row, for every thread count,
+ * ISA and format; also a NaN in a row's scalar tail and an asymmetric range overflow. */
+static void test_non_finite(void) {
+    const int64_t rows = 200, cols = 1000; /* 200k elements: up to 3 threads; 1000 % 16 = 8 */
+    const float nan = NAN;
+    for (int a = 0; a < 3; a++) {
+        int dt = float_dtypes[a];
+        void *w = xmalloc((size_t)(rows * cols) * axl_dtype_size(dt));
+        for (int64_t i = 0; i < rows * cols; i++) put(w, dt, i, rng_normal());
+        typedef struct {
+            int64_t row, col;
+            float value;
+        } poison;
+        const poison cases[][3] = {
+            {{37, 999, nan}, {150, 0, INFINITY}, {190, 500, -INFINITY}},
+            {{150, 999, -INFINITY}, {199, 3, nan}, {-1, 0, 0}},
+            {{0, 0, nan}, {-1, 0, 0}, {-1, 0, 0}},
+            {{199, 998, nan}, {-1, 0, 0}, {-1, 0, 0}},
+        };
+        const int64_t want_rows[] = {37, 150, 0, 199};
+        for (size_t c = 0; c < 4; c++) {
+            void *p = xmalloc((size_t)(rows * cols) * axl_dtype_size(dt));
+            memcpy(p, w, (size_t)(rows * cols) * axl_dtype_size(dt));
+            for (int i = 0; i < 3; i++)
+                if (cases[c][i].row >= 0)
+                    put(p, dt, cases[c][i].row * cols + cases[c][i].col, cases[c][i].value);
+            for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+                if (!isa_available(isa)) continue;
+                for (size_t t = 0; t < 4; t++)
+                    for (int f = 0; f < 4; f++) {
+                        int bits = f & 1 ? 4 : 8, symmetric = f >> 1; /* per-channel */
+                        qres r;
+                        qres_init(&r, rows, cols, bits, cols);
+                        int status = run_quantize(p, dt, symmetric, cols, f & 1, &r, thread_counts[t], isa);
+                        CHECK_MSG(status == AXL_ERR_NON_FINITE && r.bad_row == want_rows[c],
+                                  "%s case %zu isa %s nthreads %d int%d sym %d: status %d row %lld",
+                                  dtype_names[dt], c, axl_isa_name(isa), thread_counts[t], bits,
+                                  symmetric, status, (long long)r.bad_row);
+                        qres_free(&r);
+                    }
+            }
+            free(p);
+        }
+        free(w);
+    }
+    /* Blocks of 32: the NaN in the second block of a row; bad_row may be NULL. */
+    float w[4 * 64] = {0};
+    w[2 * 64 + 40] = NAN;
+    unsigned char q[4 * 64];
+    float scales[8];
+    int8_t zp[8];
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 2, 0),
+             AXL_ERR_NON_FINITE);
+    /* Asymmetric range overflow: finite values whose max - min exceeds FLT_MAX. */
+    w[2 * 64 + 40] = 3e38f;
+    w[2 * 64 + 41] = -3e38f;
+    for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+        if (!isa_available(isa)) continue;
+        int64_t bad = -7;
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, &bad, 1, isa),
+                 AXL_ERR_NON_FINITE);
+        CHECK_EQ(bad, 2);
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, NULL, NULL, NULL, &bad, 1,
+                              isa),
+                 AXL_OK);
+        CHECK_EQ(bad, -1);
+    }
+}
+
+/* A symmetric call with a zero-point buffer fills it with zeros. */
+static void test_symmetric_zero_points(void) {
+    float w[2 * 64];
+    for (int k = 0; k < 128; k++) w[k] = (float)(k - 60);
+    for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+        if (!isa_available(isa)) continue;
+        int8_t q[128], zp[4];
+        float scales[4];
+        memset(zp, 0x55, sizeof zp);
+        CHECK_EQ(axl_quantize(w, AXL_F32, 2, 64, 8, 1, 32, q, scales, zp, NULL, NULL, NULL, 1, isa),
+                 AXL_OK);
+        CHECK(zp[0] == 0 && zp[1] == 0 && zp[2] == 0 && zp[3] == 0);
+    }
+}
+
+/* ---- threads that cannot be created ------------------------------------------------------- */
+
+static void test_thread_failure(void) {
+    const int64_t rows = 256, cols = 2048;
+    void *w = make_weight(AXL_BF16, rows, cols);
+    qres r;
+    qres_init(&r, rows, cols, 4, 64);
+    float *out = xmalloc((size_t)(rows * cols) * 4);
+    for (int ok_creates = 0; ok_creates < 2; ok_creates++) {
+        axl_test_fail_thread_creates(ok_creates);
+        CHECK_EQ(run_quantize(w, AXL_BF16, 0, 64, 1, &r, 4, AXL_ISA_AUTO), AXL_ERR_RESOURCE);
+        axl_test_fail_thread_creates(ok_creates);
+        CHECK_EQ(axl_dequantize(r.q, r.scales, r.zp, rows, cols, 4, 64, out, AXL_F32, 4, 0),
+                 AXL_ERR_RESOURCE);
+    }
+    axl_test_fail_thread_creates(-1);
+    CHECK_EQ(run_quantize(w, AXL_BF16, 0, 64, 1, &r, 4, AXL_ISA_AUTO), AXL_OK);
+    CHECK_EQ(axl_dequantize(r.q, r.scales, r.zp, rows, cols, 4, 64, out, AXL_F32, 4, 0), AXL_OK);
+    qres_free(&r);
+    free(out);
+    free(w);
+}
+
+/* ---- bad arguments ------------------------------------------------------------------------- */
+
+static void test_bad_arguments(void) {
+    _Alignas(64) float w[4 * 64] = {0}, scales[16], stats[8], out[4 * 64];
+    _Alignas(64) int8_t q[4 * 64], zp[16];
+    _Alignas(8) int64_t bad_row[2];
+    char *wb = (char *)w, *sb = (char *)scales, *ob = (char *)out, *eb = (char *)stats;
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, stats, stats + 4, bad_row, 1, 0),
+             AXL_OK);
+    CHECK_EQ(bad_row[0], -1);
+    CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0), AXL_OK);
+
+    /* dtypes */
+    const int bad_dtypes[] = {-1, AXL_I8, AXL_U8, AXL_DTYPE_COUNT, 99};
+    for (size_t i = 0; i < sizeof bad_dtypes / sizeof *bad_dtypes; i++) {
+        CHECK_EQ(axl_quantize(w, bad_dtypes[i], 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+                 AXL_ERR_BAD_DTYPE);
+        CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, bad_dtypes[i], 1, 0),
+                 AXL_ERR_BAD_DTYPE);
+    }
+    /* sizes */
+    const int64_t bad_sizes[][2] = {{-1, 64}, {4, -1}, {INT64_MIN, 64}, {INT64_MAX, 2},
+                                    {(int64_t)1 << 40, (int64_t)1 << 40}};
+    for (size_t i = 0; i < sizeof bad_sizes / sizeof *bad_sizes; i++) {
+        int64_t r = bad_sizes[i][0], c = bad_sizes[i][1];
+        CHECK_EQ(axl_quantize(w, AXL_F32, r, c, 8, 1, c, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+                 AXL_ERR_BAD_SIZE);
+        CHECK_EQ(axl_dequantize(q, scales, NULL, r, c, 8, c, out, AXL_F32, 1, 0), AXL_ERR_BAD_SIZE);
+    }
+    /* formats */
+    const int bad_bits[] = {0, 1, 2, 3, 5, 7, 16, -8};
+    for (size_t i = 0; i < sizeof bad_bits / sizeof *bad_bits; i++) {
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, bad_bits[i], 1, 32, q, scales, NULL, NULL, NULL, NULL, 1,
+                       0),
+                 AXL_ERR_BAD_FORMAT);
+        CHECK_EQ(axl_dequantize(q, scales, NULL, 4, 64, bad_bits[i], 32, out, AXL_F32, 1, 0),
+                 AXL_ERR_BAD_FORMAT);
+    }
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 2, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_BAD_FORMAT);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, -1, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_BAD_FORMAT);
+    /* block sizes: cols or a multiple of 32 dividing cols */
+    const int64_t bad_blocks[][2] = {{64, 16}, {64, 48}, {64, 0}, {64, -32}, {64, 128}, {96, 64},
+                                     {100, 50}, {100, 32}, {7, 1}, {7, 14}, {64, -1}};
+    for (size_t i = 0; i < sizeof bad_blocks / sizeof *bad_blocks; i++) {
+        int64_t c = bad_blocks[i][0], b = bad_blocks[i][1];
+        CHECK_MSG(axl_quantize(w, AXL_F32, 2, c, 8, 1, b, q, scales, NULL, NULL, NULL, NULL, 1, 0) ==
+                      AXL_ERR_BAD_SIZE,
+                  "cols %lld block %lld", (long long)c, (long long)b);
+        CHECK_MSG(axl_dequantize(q, scales, NULL, 2, c, 8, b, out, AXL_F32, 1, 0) == AXL_ERR_BAD_SIZE,
+                  "cols %lld block %lld", (long long)c, (long long)b);
+    }
+    CHECK_EQ(axl_quantize(w, AXL_F32, 1, 96, 8, 1, 96, q, scales, NULL, NULL, NULL, NULL, 1, 0), AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 96, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0), AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 3, 77, 4, 0, 77, q, scales, zp, NULL, NULL, NULL, 1, 0), AXL_OK);
+    /* threads and ISAs */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, -1, 0),
+             AXL_ERR_BAD_THREADS);
+    CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, AXL_F32, INT32_MIN, 0),
+             AXL_ERR_BAD_THREADS);
+    const int bad_isas[] = {-1, AXL_ISA_COUNT, 99};
+    for (size_t i = 0; i < sizeof bad_isas / sizeof *bad_isas; i++) {
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 1, bad_isas[i]),
+                 AXL_ERR_UNSUPPORTED_ISA);
+        CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, AXL_F32, 1, bad_isas[i]),
+                 AXL_ERR_UNSUPPORTED_ISA);
+    }
+    for (int isa = AXL_ISA_AVX2; isa < AXL_ISA_COUNT; isa++)
+        if (!isa_available(isa))
+            CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, isa),
+                     AXL_ERR_UNSUPPORTED_ISA);
+
+    /* NULL pointers: allowed only for empty matrices */
+    CHECK_EQ(axl_quantize(NULL, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_NULL_POINTER);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, NULL, scales, zp, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_NULL_POINTER);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, NULL, zp, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_NULL_POINTER);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_NULL_POINTER); /* asymmetric needs zero points */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0), AXL_OK);
+    CHECK_EQ(axl_dequantize(NULL, scales, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0),
+             AXL_ERR_NULL_POINTER);
+    CHECK_EQ(axl_dequantize(q, NULL, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0), AXL_ERR_NULL_POINTER);
+    CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, NULL, AXL_F32, 1, 0),
+             AXL_ERR_NULL_POINTER);
+    bad_row[0] = 5;
+    CHECK_EQ(axl_quantize(NULL, AXL_F32, 0, 64, 8, 0, 32, NULL, NULL, NULL, NULL, NULL, bad_row, 0, 0),
+             AXL_OK);
+    CHECK_EQ(bad_row[0], -1);
+    CHECK_EQ(axl_quantize(NULL, AXL_BF16, 5, 0, 4, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0),
+             AXL_OK); /* cols 0: per-channel with no blocks */
+    CHECK_EQ(axl_quantize(NULL, AXL_BF16, 5, 0, 4, 0, 64, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0),
+             AXL_OK);
+    CHECK_EQ(axl_dequantize(NULL, NULL, NULL, 0, 64, 4, 32, NULL, AXL_F16, 0, 0), AXL_OK);
+
+    /* misaligned */
+    CHECK_EQ(axl_quantize(wb + 2, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_quantize(wb + 1, AXL_BF16, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_quantize(wb + 2, AXL_BF16, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(sb + 2), NULL, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q + 1, scales, zp + 1, NULL, NULL, NULL, 1, 0),
+             AXL_OK); /* bytes have no alignment */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, (float *)(eb + 1), NULL, NULL, 1,
+                   0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, (float *)(eb + 2), NULL, 1,
+                   0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL,
+                   (int64_t *)((char *)bad_row + 4), 1, 0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_dequantize(q, (float *)(sb + 1), NULL, 2, 32, 8, 32, out, AXL_F32, 1, 0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, ob + 2, AXL_F32, 1, 0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, ob + 1, AXL_BF16, 1, 0),
+             AXL_ERR_MISALIGNED);
+    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, ob + 2, AXL_BF16, 1, 0), AXL_OK);
+
+    /* overlaps: every output against w and against each other; adjacency is fine */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, wb + 252, scales, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_OVERLAP); /* w is 256 bytes */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, wb + 256, scales, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, w + 10, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 0, 32, q, scales, (int8_t *)w, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, w, NULL, NULL, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, w + 63, NULL, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, (int64_t *)(w + 2), 1,
+                   0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, (int64_t *)(w + 64),
+                   1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(q + 60), NULL, NULL, NULL, NULL, 1, 0),
+             AXL_ERR_OVERLAP); /* q is 64 bytes */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(q + 64), NULL, NULL, NULL, NULL, 1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, stats, stats + 1, NULL, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, stats, stats + 2, NULL, 1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 0, 32, q, scales, (int8_t *)scales + 4, NULL, NULL, NULL,
+                   1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, (float *)(q + 32), AXL_F32, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, scales, AXL_F32, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_dequantize(q, scales, zp, 2, 32, 8, 32, (float *)zp, AXL_BF16, 1, 0),
+             AXL_ERR_OVERLAP);
+    CHECK_EQ(axl_dequantize(q, (float *)q, (int8_t *)q, 2, 32, 8, 32, out, AXL_F32, 1, 0),
+             AXL_OK); /* inputs may share bytes: they are only read */
+}
+
+void test_quant(void) {
+    test_goldens();
+    test_isas_match_reference();
+    test_threads();
+    test_large_outputs();
+    test_fp_environment();
+    test_zero_and_tiny();
+    test_non_finite();
+    test_symmetric_zero_points();
+    test_thread_failure();
+    test_bad_arguments();
+}
