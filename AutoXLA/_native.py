@@ -38,10 +38,13 @@ __all__ = [
 ]
 
 # Must equal AXL_ABI_VERSION in csrc/include/autoxla.h.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # axl_dtype values (autoxla.h) of the dtypes axl_convert takes.
 _CONVERT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Dtypes quantization scales can be stored in (axl_quantize's scale_dtype).
+_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # Quantized data (axl_dtype values): the shard functions copy these, same dtype in and out.
 _INT_DTYPES = {torch.int8: 3, torch.uint8: 4}
@@ -159,13 +162,15 @@ def _load() -> ctypes.CDLL:
     lib.axl_read_shards_scratch_bytes.restype = ctypes.c_int64
     lib.axl_quantize.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
+        ctypes.c_int,
     ]
     lib.axl_quantize.restype = ctypes.c_int
     lib.axl_dequantize.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-        ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int,
     ]
     lib.axl_dequantize.restype = ctypes.c_int
 
@@ -562,7 +567,8 @@ class Quantized(NamedTuple):
     q: int8 (rows, cols) for 8 bits; uint8 (rows, ceil(cols / 2)) for 4 bits, two 4-bit
     two's complement values per byte, element 2j of a row in the low nibble (bits 0-3) of
     byte j and element 2j+1 in the high nibble (with odd cols the last high nibble is 0).
-    scale: float32 (rows, G). zero_point: int8 (rows, G), None when symmetric.
+    scale: (rows, G) of the scale_dtype given to quantize(), float32 or bfloat16.
+    zero_point: int8 (rows, G), None when symmetric.
     max_err: float32 (rows,), the largest |w - dequantized| per row; sqnr_db: float32
     (rows,), 10 log10(sum w^2 / sum (w - dequantized)^2) per row (+inf for an exact row);
     both None unless quantize(..., stats=True).
@@ -626,6 +632,15 @@ def quantized_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
     return (rows, cols) if _check_bits(bits) == 8 else (rows, (cols + 1) // 2)
 
 
+def _check_scale_dtype(scale_dtype: object) -> torch.dtype:
+    if not isinstance(scale_dtype, torch.dtype) or scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(
+            f"scale_dtype={scale_dtype!r} is not supported; scales are stored as "
+            f"{' or '.join(map(str, _SCALE_DTYPES))}"
+        )
+    return scale_dtype
+
+
 def _check_out_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ...]):
     _check_cpu_tensor(name, t, {dtype: None}, f": pass torch.empty({shape}, dtype={dtype})")
     if tuple(t.shape) != shape:
@@ -675,6 +690,7 @@ def quantize(
     symmetric: bool,
     block_size: int,
     stats: bool = False,
+    scale_dtype: torch.dtype = torch.float32,
     nthreads: int = 0,
     isa: str = "auto",
     out: Quantized | None = None,
@@ -686,14 +702,19 @@ def quantize(
     full range [qmin, qmax] with an int8 zero point per block. block_size: elements of a
     row that share one scale: -1 (or cols) for one per row, else a positive multiple of 32
     dividing cols. stats: also return max_err and sqnr_db per row (computed in the same
-    pass). nthreads, isa: as for convert(). out: optional Quantized of tensors to fill (q,
-    scale; zero_point exactly when asymmetric; max_err and sqnr_db exactly when stats),
-    each of the documented dtype and shape; returned.
+    pass). scale_dtype: torch.float32 or torch.bfloat16, the dtype the scales are stored in.
+    nthreads, isa: as for convert(). out: optional Quantized of tensors to fill (q, scale of
+    scale_dtype; zero_point exactly when asymmetric; max_err and sqnr_db exactly when
+    stats), each of the documented dtype and shape; returned.
 
     The arithmetic is fixed and identical on every ISA and thread count (autoxla.h):
     symmetric scale = max|x| / qmax, asymmetric scale = (max(x, 0) - min(x, 0)) / (qmax -
-    qmin), q = clamp(round_half_even(x * (1 / scale)) + zero_point), all in float32; a block
-    whose scale is 0 (or whose 1 / scale overflows) is all zeros with scale 0.
+    qmin), in float32; with scale_dtype=torch.bfloat16 that scale is rounded to bfloat16
+    (nearest even, as .to(torch.bfloat16)) and the rounded value is used from then on:
+    q = clamp(round_half_even(x * (1 / scale)) + zero_point), all in float32; a block whose
+    scale is 0 (or whose 1 / scale overflows) is all zeros with scale 0. A bfloat16 scale
+    that rounded down can leave an element up to (qmax - qmin) * (fp32 scale - scale)
+    beyond half a step from its dequantized value (the clamps bind).
     Raises NativeError (with .row) if a row holds NaN or Inf.
     """
     _check_cpu_tensor(
@@ -708,6 +729,7 @@ def quantize(
     bits = _check_bits(bits)
     symmetric = _check_bool("symmetric", symmetric)
     stats = _check_bool("stats", stats)
+    scale_dtype = _check_scale_dtype(scale_dtype)
     rows, cols = w.shape
     block = _check_block(block_size, cols)
     groups = cols // block if cols else 0
@@ -718,7 +740,7 @@ def quantize(
     q_shape = quantized_shape(rows, cols, bits)
     if out is None:
         q = torch.empty(q_shape, dtype=_Q_DTYPES[bits])
-        scale = torch.empty((rows, groups), dtype=torch.float32)
+        scale = torch.empty((rows, groups), dtype=scale_dtype)
         zero_point = None if symmetric else torch.empty((rows, groups), dtype=torch.int8)
         max_err = torch.empty(rows, dtype=torch.float32) if stats else None
         sqnr_db = torch.empty(rows, dtype=torch.float32) if stats else None
@@ -729,7 +751,7 @@ def quantize(
                 f"Quantized(q, scale, zero_point, max_err, sqnr_db)"
             )
         q = _check_out_tensor("out.q", out.q, _Q_DTYPES[bits], q_shape)
-        scale = _check_out_tensor("out.scale", out.scale, torch.float32, (rows, groups))
+        scale = _check_out_tensor("out.scale", out.scale, scale_dtype, (rows, groups))
         if symmetric != (out.zero_point is None):
             raise ValueError(
                 "out.zero_point must be None for symmetric=True and an int8 tensor of "
@@ -758,13 +780,13 @@ def quantize(
     # Every tensor stays referenced by this frame until the call returns.
     status = lib.axl_quantize(
         w.data_ptr(), _CONVERT_DTYPES[w.dtype], rows, cols, bits, int(symmetric), block,
-        q.data_ptr(), scale.data_ptr(), ptr(zero_point), ptr(max_err), ptr(sqnr_db),
-        ctypes.byref(bad_row), threads, isa_code,
+        q.data_ptr(), scale.data_ptr(), _SCALE_DTYPES[scale_dtype], ptr(zero_point),
+        ptr(max_err), ptr(sqnr_db), ctypes.byref(bad_row), threads, isa_code,
     )
     what = (
         f"quantize {w.dtype} {tuple(w.shape)} to int{bits} "
-        f"{'symmetric' if symmetric else 'asymmetric'} block {block} (isa={isa!r}, "
-        f"nthreads={threads})"
+        f"{'symmetric' if symmetric else 'asymmetric'} block {block}, {scale_dtype} scales "
+        f"(isa={isa!r}, nthreads={threads})"
     )
     if status == _AXL_ERR_NON_FINITE:
         row = bad_row.value
@@ -792,7 +814,8 @@ def dequantize(
     """The (rows, cols) weight of dtype back from quantize()'s q, scale and zero_point.
 
     y = float32(q - zero_point) * scale, then rounded to dtype exactly as convert() rounds.
-    q, scale, zero_point: as in Quantized (zero_point None = symmetric). bits, block_size:
+    q, scale, zero_point: as in Quantized (zero_point None = symmetric); scale is float32 or
+    bfloat16 (widened to float32 exactly), as quantize() returned it. bits, block_size:
     those given to quantize(); cols: the weight's column count (q of 4 bits holds
     ceil(cols / 2) bytes per row). dtype: float32, bfloat16 or float16. out: optional
     (rows, cols) tensor of dtype to fill; returned. nthreads, isa: as for convert().
@@ -814,7 +837,7 @@ def dequantize(
         )
     block = _check_block(block_size, cols)
     groups = cols // block if cols else 0
-    _check_cpu_tensor("scale", scale, {torch.float32: None}, ": pass quantize()'s scale")
+    _check_cpu_tensor("scale", scale, _SCALE_DTYPES, ": pass quantize()'s scale")
     if tuple(scale.shape) != (rows, groups):
         raise ValueError(
             f"scale has shape {tuple(scale.shape)}, expected {(rows, groups)} (one per block "
@@ -844,12 +867,13 @@ def dequantize(
 
     # q, scale, zero_point and out stay referenced by this frame until the call returns.
     status = lib.axl_dequantize(
-        q.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr(),
-        rows, cols, bits, block, out.data_ptr(), _CONVERT_DTYPES[dtype], threads, isa_code,
+        q.data_ptr(), scale.data_ptr(), _SCALE_DTYPES[scale.dtype],
+        None if zero_point is None else zero_point.data_ptr(), rows, cols, bits, block,
+        out.data_ptr(), _CONVERT_DTYPES[dtype], threads, isa_code,
     )
     _check_status(
         status,
-        f"dequantize int{bits} ({rows}, {cols}) block {block} -> {dtype} (isa={isa!r}, "
-        f"nthreads={threads})",
+        f"dequantize int{bits} ({rows}, {cols}) block {block}, {scale.dtype} scales -> {dtype} "
+        f"(isa={isa!r}, nthreads={threads})",
     )
     return out

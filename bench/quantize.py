@@ -7,16 +7,18 @@ same thread count (1, then all CPUs):
   copy     the C core's own copy path: _native.convert bf16 -> bf16 (axl_convert with equal
            dtypes = memcpy, split over the same threads) into a preallocated buffer
   C        _native.quantize: int8 per-channel symmetric, and int4 in blocks of 64 asymmetric;
+           scales stored as float32 and as bfloat16 (scale_dtype, the product's setting);
            with error statistics off and on; into preallocated out= buffers
   torch    tests/reference_quant.quantize_reference: the same arithmetic in vectorised torch
-           ops (torch.set_num_threads(n)), no statistics
+           ops (torch.set_num_threads(n)), no statistics, with the same scale dtype
 Correctness comes first: on the first 256 rows of each shape, the C engine must equal the torch
-reference (q, scales, zero points) and its statistics the float64 ones. Then every contender
-is timed, best of several repeats, interleaved so that drift hits all alike.
+reference (q, scales, zero points) and its statistics the float64 ones, for both scale dtypes.
+Then every contender is timed, best of several repeats, interleaved so that drift hits all
+alike.
 
 GB/s counts bytes read + bytes written: the weight read; q, scales (+ zero points) (+ max_err
 and sqnr_db) written; the copy reads and writes the weight's bytes. Goals: C >= 70% of the
-copy's GB/s at the same thread count, and >= 10x the torch quantizer's.
+copy's GB/s at the same thread count, and >= 10x the torch quantizer's (same scale dtype).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ FORMATS = [  # label, bits, symmetric, block_size
     ("int8 per-channel sym", 8, True, -1),
     ("int4 block-64 asym", 4, False, 64),
 ]
+SCALE_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}  # label -> scale dtype
 COPY_GOAL, TORCH_GOAL = 0.70, 10.0
 CHECK_ROWS = 256
 
@@ -59,13 +62,14 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def _out_buffers(rows: int, cols: int, bits: int, symmetric: bool, block_size: int, stats: bool):
+def _out_buffers(rows: int, cols: int, bits: int, symmetric: bool, block_size: int, stats: bool,
+                 scale_dtype: torch.dtype):
     block = cols if block_size == -1 else block_size
     g = cols // block
     return _native.Quantized(
         torch.empty(_native.quantized_shape(rows, cols, bits),
                     dtype=torch.int8 if bits == 8 else torch.uint8),
-        torch.empty(rows, g),
+        torch.empty(rows, g, dtype=scale_dtype),
         None if symmetric else torch.empty(rows, g, dtype=torch.int8),
         torch.empty(rows) if stats else None,
         torch.empty(rows) if stats else None,
@@ -76,11 +80,13 @@ def _written_bytes(out: _native.Quantized) -> int:
     return sum(t.numel() * t.element_size() for t in out if t is not None)
 
 
-def check(w: torch.Tensor, bits: int, symmetric: bool, block_size: int) -> None:
+def check(w: torch.Tensor, bits: int, symmetric: bool, block_size: int,
+          scale_dtype: torch.dtype) -> None:
     """The C engine equals the torch reference on a slice; its statistics match float64."""
     part = w[:CHECK_ROWS].contiguous()
-    got = _native.quantize(part, bits=bits, symmetric=symmetric, block_size=block_size, stats=True)
-    q, scale, zp = quantize_reference(part, bits, symmetric, block_size)
+    got = _native.quantize(part, bits=bits, symmetric=symmetric, block_size=block_size, stats=True,
+                           scale_dtype=scale_dtype)
+    q, scale, zp = quantize_reference(part, bits, symmetric, block_size, scale_dtype)
     same = torch.equal(got.q, q) and torch.equal(got.scale, scale)
     same &= symmetric or torch.equal(got.zero_point, zp)
     dq = dequantize_reference(q, scale, zp, bits, part.shape[1], block_size)
@@ -88,7 +94,8 @@ def check(w: torch.Tensor, bits: int, symmetric: bool, block_size: int) -> None:
     same &= torch.equal(got.max_err, max_err)
     same &= torch.allclose(got.sqnr_db, sqnr, rtol=1e-6, atol=1e-5)
     if not same:
-        sys.exit(f"C engine != torch reference for int{bits} sym={symmetric} block {block_size}")
+        sys.exit(f"C engine != torch reference for int{bits} sym={symmetric} block {block_size} "
+                 f"{scale_dtype} scales")
 
 
 def machine() -> str:
@@ -123,21 +130,25 @@ def main() -> None:
     for rows, cols in SHAPES:
         w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
         for _, bits, symmetric, block_size in FORMATS:
-            check(w, bits, symmetric, block_size)
+            for scale_dtype in SCALE_DTYPES.values():
+                check(w, bits, symmetric, block_size, scale_dtype)
         w_bytes = w.numel() * w.element_size()
         for nthreads in thread_counts:
             n = nthreads or _native.num_cpus()
             torch.set_num_threads(n)
             copy_buf = torch.empty_like(w)
-            outs = {(f, s): _out_buffers(rows, cols, f[1], f[2], f[3], s) for f in FORMATS for s in (False, True)}
+            # key: (format, scale dtype label, stats)
+            outs = {(f, sd, st): _out_buffers(rows, cols, f[1], f[2], f[3], st, SCALE_DTYPES[sd])
+                    for f in FORMATS for sd in SCALE_DTYPES for st in (False, True)}
 
             def run_copy():
                 _native.convert(w, torch.bfloat16, out=copy_buf, nthreads=nthreads)
 
-            def run_c(fmt, stats):
+            def run_c(fmt, sd, stats):
                 _, bits, symmetric, block_size = fmt
                 _native.quantize(w, bits=bits, symmetric=symmetric, block_size=block_size,
-                                 stats=stats, nthreads=nthreads, out=outs[(fmt, stats)])
+                                 stats=stats, scale_dtype=SCALE_DTYPES[sd], nthreads=nthreads,
+                                 out=outs[(fmt, sd, stats)])
 
             # Interleaved repeats: each round times every contender once.
             times = {"copy": float("inf")}
@@ -150,37 +161,39 @@ def main() -> None:
                 for key in outs:
                     times[key] = min(times[key], _best(lambda: run_c(*key), 1))
             torch_times = {
-                fmt: _best(lambda: quantize_reference(w, fmt[1], fmt[2], fmt[3]), args.torch_repeats)
-                for fmt in FORMATS
+                (fmt, sd): _best(lambda: quantize_reference(w, fmt[1], fmt[2], fmt[3], dt),
+                                 args.torch_repeats)
+                for fmt in FORMATS for sd, dt in SCALE_DTYPES.items()
             }
 
             copy_gbs = 2 * w_bytes / times["copy"] / 1e9
             print(f"{rows}x{cols} bf16, {n} thread{'s' if n > 1 else ''}:")
-            print(f"  {'copy (axl_convert bf16->bf16)':36s} {times['copy'] * 1e3:8.2f} ms "
+            print(f"  {'copy (axl_convert bf16->bf16)':44s} {times['copy'] * 1e3:8.2f} ms "
                   f"{copy_gbs:7.1f} GB/s")
             for fmt in FORMATS:
                 label = fmt[0]
-                out_bytes = _written_bytes(outs[(fmt, False)])
-                t_torch = torch_times[fmt]
-                torch_gbs = (w_bytes + out_bytes) / t_torch / 1e9
-                print(f"  {'torch reference, ' + label:36s} {t_torch * 1e3:8.2f} ms "
-                      f"{torch_gbs:7.1f} GB/s")
-                for stats in (False, True):
-                    t = times[(fmt, stats)]
-                    gbs = (w_bytes + _written_bytes(outs[(fmt, stats)])) / t / 1e9
-                    vs_copy, vs_torch = gbs / copy_gbs, t_torch / t
-                    name = f"C {label}, stats {'on' if stats else 'off'}"
-                    print(f"  {name:36s} {t * 1e3:8.2f} ms {gbs:7.1f} GB/s   C/copy {vs_copy:5.2f}"
-                          f"   C/torch {vs_torch:6.1f}x")
-                    verdicts.append((f"{rows}x{cols} {n}t {label} stats {'on' if stats else 'off'}",
-                                     vs_copy, vs_torch))
+                for sd in SCALE_DTYPES:
+                    out_bytes = _written_bytes(outs[(fmt, sd, False)])
+                    t_torch = torch_times[(fmt, sd)]
+                    torch_gbs = (w_bytes + out_bytes) / t_torch / 1e9
+                    print(f"  {f'torch reference, {label}, {sd} scales':44s} {t_torch * 1e3:8.2f} ms "
+                          f"{torch_gbs:7.1f} GB/s")
+                    for stats in (False, True):
+                        t = times[(fmt, sd, stats)]
+                        gbs = (w_bytes + _written_bytes(outs[(fmt, sd, stats)])) / t / 1e9
+                        vs_copy, vs_torch = gbs / copy_gbs, t_torch / t
+                        name = f"C {label}, {sd} scales, stats {'on' if stats else 'off'}"
+                        print(f"  {name:44s} {t * 1e3:8.2f} ms {gbs:7.1f} GB/s   C/copy "
+                              f"{vs_copy:5.2f}   C/torch {vs_torch:6.1f}x")
+                        verdicts.append((f"{rows}x{cols} {n}t {label} {sd} stats "
+                                         f"{'on' if stats else 'off'}", vs_copy, vs_torch))
             print()
     torch.set_num_threads(torch_threads_before)
 
     print(f"goals: C >= {COPY_GOAL:.0%} of copy GB/s at equal threads, C >= {TORCH_GOAL:.0f}x torch")
     for name, vs_copy, vs_torch in verdicts:
         ok_copy, ok_torch = vs_copy >= COPY_GOAL, vs_torch >= TORCH_GOAL
-        print(f"  {name:48s} copy {'met' if ok_copy else 'NOT met':7s} ({vs_copy:6.1%})   "
+        print(f"  {name:53s} copy {'met' if ok_copy else 'NOT met':7s} ({vs_copy:6.1%})   "
               f"torch {'met' if ok_torch else 'NOT met':7s} ({vs_torch:5.1f}x)")
 
 

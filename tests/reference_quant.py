@@ -8,10 +8,12 @@ AutoXLA._native.quantize / dequantize element for element:
     sym:  amax = max |x|;  scale = amax / qmax                     qmax = 127 or 7
     asym: lo = min(min x, 0), hi = max(max x, 0)
           scale = (hi - lo) / (qmax - qmin)                        qmin, qmax = -128, 127 / -8, 7
+    scale = scale.to(bfloat16).to(float32) when the scales are stored as bfloat16 (round to
+          nearest even: what the C core does); this rounded scale is used from here on
     inv   = 1 / scale; a block with scale 0 or inv = +inf is all zeros: scale 0, zp 0, q 0
     zp    = clamp(qmin - round(lo * inv), qmin, qmax)              (asym; 0 when symmetric)
     q     = clamp(round(x * inv) + zp, qmin, qmax)                 round = half to even
-    y     = float32(q - zp) * scale, then .to(dtype)
+    y     = float32(q - zp) * float32(scale), then .to(dtype)
 
 Every division, product and difference is a single float32 tensor op between two tensors,
 so torch computes it with one IEEE rounding (no fused multiply-add, no reciprocal
@@ -65,18 +67,26 @@ def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def quantize_reference(
-    w: torch.Tensor, bits: int, symmetric: bool, block_size: int
+    w: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+    block_size: int,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(q, scale, zero_point) of the 2-D weight w, laid out as _native.quantize returns them
-    (q packed for 4 bits; zero_point None when symmetric). Raises ValueError naming the
-    first row with NaN/Inf, or (asymmetric) whose block range overflows float32."""
+    (q packed for 4 bits; scale of scale_dtype, float32 or bfloat16; zero_point None when
+    symmetric). Raises ValueError naming the first row with NaN/Inf, or (asymmetric) whose
+    block range overflows float32."""
+    if scale_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"scale_dtype {scale_dtype} is not float32 or bfloat16")
     rows, cols = w.shape
     block = _block(cols, block_size)
     groups = cols // block if cols else 0
     qmin, qmax = q_range(bits, symmetric)
     if cols == 0:
         q = torch.zeros((rows, 0), dtype=torch.int8 if bits == 8 else torch.uint8)
-        return q, torch.zeros(rows, 0), (None if symmetric else torch.zeros(rows, 0, dtype=torch.int8))
+        return (q, torch.zeros(rows, 0, dtype=scale_dtype),
+                None if symmetric else torch.zeros(rows, 0, dtype=torch.int8))
     x = w.to(torch.float32).reshape(rows, groups, block)
     finite = torch.isfinite(x).flatten(1).all(dim=1)
     if not finite.all():
@@ -93,6 +103,8 @@ def quantize_reference(
         overflow = torch.isinf(scale).any(dim=1)
         if overflow.any():
             raise ValueError(f"row {int(overflow.nonzero()[0])}: a block range overflows float32")
+    # The stored scale, and the one used from here on (finite, >= 0: no NaN rule matters).
+    scale = scale.to(scale_dtype).to(torch.float32)
     inv = torch.ones_like(scale) / scale  # 1 / 0 = inf
     zero = torch.isinf(inv)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
@@ -106,7 +118,7 @@ def quantize_reference(
     v = torch.round(x * inv.unsqueeze(-1)).to(torch.int32)
     q = (v + zp.unsqueeze(-1)).clamp(qmin, qmax).reshape(rows, cols)
     q = q.to(torch.int8) if bits == 8 else pack_int4(q)
-    return q, scale, (None if symmetric else zp.to(torch.int8))
+    return q, scale.to(scale_dtype), (None if symmetric else zp.to(torch.int8))
 
 
 def dequantize_reference(
@@ -118,14 +130,15 @@ def dequantize_reference(
     block_size: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """float32(q - zero_point) * scale, rounded to dtype: the (rows, cols) weight back."""
+    """float32(q - zero_point) * scale (a bfloat16 scale widened exactly), rounded to dtype:
+    the (rows, cols) weight back."""
     rows = q.shape[0]
     block = _block(cols, block_size)
     groups = cols // block if cols else 0
     v = q.to(torch.int32) if bits == 8 else unpack_int4(q, cols)
     zp = torch.zeros(rows, groups, dtype=torch.int32) if zero_point is None else zero_point.to(torch.int32)
     d = (v.reshape(rows, groups, block) - zp.unsqueeze(-1)).to(torch.float32)
-    y = d * scale.unsqueeze(-1)
+    y = d * scale.to(torch.float32).unsqueeze(-1)
     return y.reshape(rows, cols).to(dtype)
 
 

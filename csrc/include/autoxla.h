@@ -21,7 +21,7 @@ extern "C" {
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
  * _native.py refuses a library whose axl_abi_version() differs from its own. */
-#define AXL_ABI_VERSION 3
+#define AXL_ABI_VERSION 4
 
 /* Threads a single call may use; larger requests are clamped to this. */
 #define AXL_MAX_THREADS 256
@@ -183,9 +183,9 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
 /* ---- quantization ----------------------------------------------------------------------
  * A weight w is a dense row-major (rows, cols) matrix of F32, BF16 or F16, read in place
  * (never copied to fp32 as a whole). Each run of block_size consecutive elements of a row
- * (a "block") shares one fp32 scale (and, asymmetric, one int8 zero point). Valid block
- * sizes: block_size == cols (per-channel, one block per row), or a positive multiple of 32
- * dividing cols; anything else is AXL_ERR_BAD_SIZE. G = cols / block_size blocks per row
+ * (a "block") shares one scale, stored as F32 or BF16 (scale_dtype), and, asymmetric, one
+ * int8 zero point. Valid block sizes: block_size == cols (per-channel, one block per row), or
+ * a positive multiple of 32 dividing cols; anything else is AXL_ERR_BAD_SIZE. G = cols / block_size blocks per row
  * (G = 0 when cols == 0).
  *
  * Layouts (all dense, row-major):
@@ -194,33 +194,45 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  *               element 2j of a row in the LOW nibble (bits 0-3) of byte j, element 2j+1
  *               in the HIGH nibble (bits 4-7). Each row starts on a new byte; with odd
  *               cols the high nibble of a row's last byte is 0.
- *   scales:     (rows, G) float32.
+ *   scales:     (rows, G) of scale_dtype: AXL_F32 (float32) or AXL_BF16 (bfloat16).
  *   zero_points:(rows, G) int8.
  *   max_err, sqnr_db: (rows,) float32.
  *
  * Arithmetic, all fp32 IEEE with round half to even, identical on every ISA:
  *   x = the element widened to fp32 (exact).
- *   symmetric (qmax = 127 or 7): amax = max |x| over the block; scale = amax / qmax;
- *     inv = 1.0f / scale; q = clamp(nearbyint(x * inv), -qmax, qmax); zero point 0.
+ *   symmetric (qmax = 127 or 7): amax = max |x| over the block; s = amax / qmax.
  *   asymmetric (qmin, qmax = -128, 127 or -8, 7): lo = min(min(block), 0),
- *     hi = max(max(block), 0); scale = (hi - lo) / (qmax - qmin); inv = 1.0f / scale;
- *     zp = clamp(qmin - nearbyint(lo * inv), qmin, qmax);
+ *     hi = max(max(block), 0); s = (hi - lo) / (qmax - qmin) (+Inf: AXL_ERR_NON_FINITE).
+ *   scale = s (AXL_F32), or s rounded to bf16 exactly as axl_convert rounds f32 -> bf16
+ *     (round to nearest even) and widened back to fp32 (AXL_BF16). From here on the block
+ *     uses this rounded scale, never s: it is what is stored, tested below, inverted and
+ *     multiplied by.
+ *   inv = 1.0f / scale.
+ *   symmetric: q = clamp(nearbyint(x * inv), -qmax, qmax); zero point 0.
+ *   asymmetric: zp = clamp(qmin - nearbyint(lo * inv), qmin, qmax);
  *     q = clamp(nearbyint(x * inv) + zp, qmin, qmax)   (round, then add the integer zp).
  *   A block whose scale is 0, or so small (below ~2^-128) that inv = 1.0f / scale
  *   overflows to +Inf, is stored as zeros: scale 0, zero point 0, every q 0. (Its
  *   elements are all below ~2^-120 in magnitude; this avoids 0 * Inf = NaN.)
- *   dequantized: y = (float)(q - zp) * scale, in fp32.
+ *   dequantized: y = (float)(q - zp) * scale, in fp32 (a BF16 scale widened exactly).
+ * With AXL_BF16 the scale may round down (by up to 2^-8 relative, 2^-6 for the smallest
+ * kept scales, bf16 subnormals), so the grid of qmax - qmin steps can fall short of the
+ * block's range and the clamps above then bind: |x - y| <= scale / 2 + (qmax - qmin) *
+ * max(0, s - scale) (symmetric: qmax * max(0, s - scale)), plus fp32 rounding, instead of
+ * scale / 2; at worst about 1.5 steps (int8 asymmetric), or 2 for int8 symmetric with a
+ * scale below 2^-126.
  * The kernels run with the default FP environment whatever the caller's (on x86 MXCSR is
  * set to round-to-nearest without FTZ/DAZ for the call and restored after), so a caller's
  * torch.set_flush_denormal or rounding mode cannot change a result.
  *
- * Shared argument rules, checked in this order: dtype (AXL_ERR_BAD_DTYPE); rows, cols < 0 or
+ * Shared argument rules, checked in this order: dtypes, the weight's (or output's) then
+ * scale_dtype (AXL_ERR_BAD_DTYPE; scale_dtype must be AXL_F32 or AXL_BF16); rows, cols < 0 or
  * more than PTRDIFF_MAX/4 elements (AXL_ERR_BAD_SIZE); bits not 4/8 or symmetric not 0/1
  * (AXL_ERR_BAD_FORMAT); block_size (AXL_ERR_BAD_SIZE); nthreads and isa as for axl_convert;
  * then, unless rows * cols == 0 (nothing is read or written, pointers may be NULL): NULL
  * required pointers (AXL_ERR_NULL_POINTER), float / int64 / 16-bit data not aligned to its
- * element size (AXL_ERR_MISALIGNED), an output sharing a byte with any other buffer
- * (AXL_ERR_OVERLAP).
+ * element size (scales: the size of scale_dtype) (AXL_ERR_MISALIGNED), an output sharing a
+ * byte with any other buffer (AXL_ERR_OVERLAP).
  * Rows are split evenly over the threads; a matrix with few elements stays on the calling
  * thread. If a worker thread cannot be created the call returns AXL_ERR_RESOURCE and the
  * outputs are partly written. Nothing is allocated. */
@@ -242,17 +254,18 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  * range hi - lo overflows fp32. That row is the same for any nthreads and isa; q and the
  * other outputs are then unspecified. */
 AXL_API int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int bits,
-                         int symmetric, int64_t block_size, void *q, float *scales,
-                         int8_t *zero_points, float *max_err, float *sqnr_db, int64_t *bad_row,
-                         int nthreads, int isa);
+                         int symmetric, int64_t block_size, void *q, void *scales,
+                         int scale_dtype, int8_t *zero_points, float *max_err, float *sqnr_db,
+                         int64_t *bad_row, int nthreads, int isa);
 
-/* The inverse: q, scales, zero_points (layouts above; zero_points NULL = symmetric, i.e.
- * all 0) -> out (rows, cols) of dst_dtype (F32, BF16 or F16): y = (float)(q - zp) * scale
- * in fp32, then converted exactly as axl_convert converts f32 to dst_dtype. out must not
- * overlap the inputs; the inputs may overlap each other. */
-AXL_API int axl_dequantize(const void *q, const float *scales, const int8_t *zero_points,
-                           int64_t rows, int64_t cols, int bits, int64_t block_size,
-                           void *out, int dst_dtype, int nthreads, int isa);
+/* The inverse: q, scales of scale_dtype (AXL_F32 or AXL_BF16), zero_points (layouts above;
+ * zero_points NULL = symmetric, i.e. all 0) -> out (rows, cols) of dst_dtype (F32, BF16 or
+ * F16): y = (float)(q - zp) * scale in fp32 (a bf16 scale widened exactly), then converted
+ * exactly as axl_convert converts f32 to dst_dtype. out must not overlap the inputs; the
+ * inputs may overlap each other. */
+AXL_API int axl_dequantize(const void *q, const void *scales, int scale_dtype,
+                           const int8_t *zero_points, int64_t rows, int64_t cols, int bits,
+                           int64_t block_size, void *out, int dst_dtype, int nthreads, int isa);
 
 #ifdef __cplusplus
 }

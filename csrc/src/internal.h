@@ -75,6 +75,7 @@ typedef struct axl_qformat {
     int bits;       /* 8 or 4 */
     int symmetric;  /* 1: q in [-qmax, qmax], zero point 0; 0: q in [qmin, qmax] */
     int stream;     /* 1: q is large; a kernel may write it with non-temporal stores */
+    int scale_dtype; /* AXL_F32 or AXL_BF16: how scales are stored (and rounded) */
 } axl_qformat;
 
 /* Outputs q of at least this many bytes are written past the caches (where a kernel can):
@@ -86,33 +87,33 @@ typedef struct axl_qformat {
 
 /* One row. w: (cols,) of the kernel's source dtype. q: (cols,) int8 for 8 bits, or
  * (ceil(cols/2),) uint8 of nibble pairs (element 2j low, 2j+1 high) for 4 bits.
- * scales: (groups,). zp: (groups,), or NULL (allowed only when symmetric; when symmetric
- * and non-NULL it receives zeros). max_err, sqnr_db: one float each, both optional; the
- * statistics are computed when either is given. Returns 0, or 1 if the row holds a NaN or
+ * scales: (groups,) of f->scale_dtype. zp: (groups,), or NULL (allowed only when symmetric;
+ * when symmetric and non-NULL it receives zeros). max_err, sqnr_db: one float each, both
+ * optional; the statistics are computed when either is given. Returns 0, or 1 if the row holds a NaN or
  * Inf or (asymmetric) a block's range overflows; the outputs are then partly written. */
-typedef int (*axl_quant_row_fn)(const void *w, const axl_qformat *f, void *q, float *scales,
+typedef int (*axl_quant_row_fn)(const void *w, const axl_qformat *f, void *q, void *scales,
                                 int8_t *zp, float *max_err, float *sqnr_db);
 
 /* One row back: out (cols,) of the kernel's destination dtype from q (layout above),
- * scales (groups,) and zp (groups,) or NULL for zero points of 0. */
-typedef void (*axl_dequant_row_fn)(const void *q, const float *scales, const int8_t *zp,
+ * scales (groups,) of f->scale_dtype and zp (groups,) or NULL for zero points of 0. */
+typedef void (*axl_dequant_row_fn)(const void *q, const void *scales, const int8_t *zp,
                                    const axl_qformat *f, void *out);
 
 #define AXL_DECLARE_QUANT(suffix)                                                          \
     int axl_quant_row_f32_##suffix(const void *w, const axl_qformat *f, void *q,           \
-                                   float *scales, int8_t *zp, float *max_err,              \
+                                   void *scales, int8_t *zp, float *max_err,               \
                                    float *sqnr_db);                                        \
     int axl_quant_row_bf16_##suffix(const void *w, const axl_qformat *f, void *q,          \
-                                    float *scales, int8_t *zp, float *max_err,             \
+                                    void *scales, int8_t *zp, float *max_err,              \
                                     float *sqnr_db);                                       \
     int axl_quant_row_f16_##suffix(const void *w, const axl_qformat *f, void *q,           \
-                                   float *scales, int8_t *zp, float *max_err,              \
+                                   void *scales, int8_t *zp, float *max_err,               \
                                    float *sqnr_db);                                        \
-    void axl_dequant_row_f32_##suffix(const void *q, const float *scales, const int8_t *zp, \
+    void axl_dequant_row_f32_##suffix(const void *q, const void *scales, const int8_t *zp,  \
                                       const axl_qformat *f, void *out);                    \
-    void axl_dequant_row_bf16_##suffix(const void *q, const float *scales,                 \
+    void axl_dequant_row_bf16_##suffix(const void *q, const void *scales,                  \
                                        const int8_t *zp, const axl_qformat *f, void *out); \
-    void axl_dequant_row_f16_##suffix(const void *q, const float *scales, const int8_t *zp, \
+    void axl_dequant_row_f16_##suffix(const void *q, const void *scales, const int8_t *zp,  \
                                       const axl_qformat *f, void *out);
 
 AXL_DECLARE_QUANT(ref)
@@ -144,23 +145,47 @@ static inline int32_t axl_qmin(const axl_qformat *f) {
  * values below 2^9 in magnitude. */
 static inline float axl_round_small(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
-/* A symmetric block's scale and its reciprocal from amax = max |x| (finite, >= 0). A zero
- * block (scale 0, or a reciprocal that overflows) gets scale 0 and inv 0: every q is 0. */
-static inline void axl_qparams_sym(float amax, float qmax, float *scale, float *inv) {
-    float s = amax / qmax;
+/* The scale a block uses from s, its fp32 scale (finite, >= 0): s itself (AXL_F32), or s
+ * rounded to bf16 as axl_convert rounds (nearest even) and widened back (AXL_BF16). */
+static inline float axl_scale_round(float s, int scale_dtype) {
+    if (scale_dtype == AXL_F32) return s;
+    return axl_f32_from_bits((uint32_t)axl_f32_bits_to_bf16(axl_bits_of_f32(s)) << 16);
+}
+
+/* Stores scale (already rounded by axl_scale_round) as block g of a row's scales. */
+static inline void axl_scale_store(void *scales, int scale_dtype, int64_t g, float scale) {
+    if (scale_dtype == AXL_F32)
+        ((float *)scales)[g] = scale;
+    else /* exact: scale is a bf16 value */
+        ((uint16_t *)scales)[g] = (uint16_t)(axl_bits_of_f32(scale) >> 16);
+}
+
+/* Block g's stored scale, widened to fp32 (exact). */
+static inline float axl_scale_load(const void *scales, int scale_dtype, int64_t g) {
+    if (scale_dtype == AXL_F32) return ((const float *)scales)[g];
+    return axl_f32_from_bits((uint32_t)((const uint16_t *)scales)[g] << 16);
+}
+
+/* A symmetric block's scale (rounded to scale_dtype) and its reciprocal from
+ * amax = max |x| (finite, >= 0). A zero block (scale 0, or a reciprocal that overflows) gets
+ * scale 0 and inv 0: every q is 0. */
+static inline void axl_qparams_sym(float amax, float qmax, int scale_dtype, float *scale,
+                                   float *inv) {
+    float s = axl_scale_round(amax / qmax, scale_dtype);
     float r = s > 0 ? 1.0f / s : INFINITY;
     if (r == INFINITY) s = r = 0;
     *scale = s;
     *inv = r;
 }
 
-/* An asymmetric block's scale, reciprocal and zero point from lo = min(min, 0) and
- * hi = max(max, 0) (finite). Returns 1 if hi - lo overflows (the scale would be Inf), else
- * 0. A zero block gets scale 0, inv 0 and zero point 0. */
-static inline int axl_qparams_asym(float lo, float hi, int32_t qmin, int32_t qmax, float *scale,
-                                   float *inv, int32_t *zp) {
+/* An asymmetric block's scale (rounded to scale_dtype), reciprocal and zero point from
+ * lo = min(min, 0) and hi = max(max, 0) (finite). Returns 1 if hi - lo overflows (the fp32
+ * scale would be Inf), else 0. A zero block gets scale 0, inv 0 and zero point 0. */
+static inline int axl_qparams_asym(float lo, float hi, int32_t qmin, int32_t qmax,
+                                   int scale_dtype, float *scale, float *inv, int32_t *zp) {
     float s = (hi - lo) / (float)(qmax - qmin);
     if (s == INFINITY) return 1;
+    s = axl_scale_round(s, scale_dtype);
     float r = s > 0 ? 1.0f / s : INFINITY;
     if (r == INFINITY) {
         *scale = *inv = 0;
@@ -188,7 +213,17 @@ static inline float axl_dqvalue(int32_t v, int32_t zp, float scale) {
 /* A 4-bit two's complement nibble (0..15) as an int. */
 static inline int32_t axl_nibble_value(uint32_t nibble) { return (int32_t)(nibble ^ 8u) - 8; }
 
-/* Adds element x with dequantized value dq to one lane of the statistics. */
+/* Adds element x with dequantized value dq to one lane of the statistics.
+ * Both products are exact doubles, so a vector kernel may fuse each with its sum (FMA) and
+ * get the same bits: x has 24 significant bits, so x * x has at most 48. e = x - dq is exact
+ * and has at most 26: if dq = 0, e = x; else |v| = |q - zp| >= 1, and with the block's scale
+ * in [2^k, 2^(k+1)), |dq| = fl(|v| scale) >= 2^k and |x| >= (scale / 2)(1 - 2^-24) (x
+ * rounded to v != 0, or was clamped to it from beyond), so both are multiples of 2^(k-25),
+ * and of 2^(k-24) unless |x| < 2^(k-1), where v = +-1 and |e| <= (scale / 2)(1 + 2^-23) <
+ * 2^k: 25 bits; elsewhere |e| < 2 scale < 2^(k+2) (at most 1.98 steps: half a step, plus
+ * what a bf16 scale rounded down loses, see quant_avx512.c): 26 bits. Subnormals only have
+ * fewer. So e * e has at most 52. The tests check both on every element they check the
+ * formulas on (test_quant.c, check_formulas). */
 static inline void axl_qstats_add(float x, float dq, double *signal, double *noise,
                                   double *max_abs_err) {
     double e = (double)x - (double)dq;

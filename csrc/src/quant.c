@@ -98,6 +98,8 @@ static int is_float_dtype(int dtype) {
     return dtype == AXL_F32 || dtype == AXL_BF16 || dtype == AXL_F16;
 }
 
+static int is_scale_dtype(int dtype) { return dtype == AXL_F32 || dtype == AXL_BF16; }
+
 static int check_sizes(int64_t rows, int64_t cols, int64_t *numel) {
     if (rows < 0 || cols < 0) return AXL_ERR_BAD_SIZE;
     if (cols > 0 && rows > MAX_ELEMENTS / cols) return AXL_ERR_BAD_SIZE;
@@ -142,7 +144,8 @@ typedef struct quant_job {
     size_t w_row; /* bytes per row of w */
     char *q;
     size_t q_row; /* bytes per row of q */
-    float *scales;
+    char *scales;
+    size_t scales_row; /* bytes per row of scales */
     int8_t *zp;
     float *max_err, *sqnr_db;
     atomic_int_fast64_t bad_row; /* lowest row found non-finite so far; rows if none */
@@ -159,7 +162,8 @@ static void quant_worker(void *arg, int64_t begin, int64_t end) {
         /* A lower row already failed: this worker's rows cannot be the lowest. */
         if (r > atomic_load_explicit(&job->bad_row, memory_order_relaxed)) break;
         int bad = job->fn(job->w + (size_t)r * job->w_row, &job->fmt,
-                          job->q + (size_t)r * job->q_row, job->scales + r * g,
+                          job->q + (size_t)r * job->q_row,
+                          job->scales + (size_t)r * job->scales_row,
                           job->zp ? job->zp + r * g : NULL, job->max_err ? job->max_err + r : NULL,
                           job->sqnr_db ? job->sqnr_db + r : NULL);
         if (bad) {
@@ -173,9 +177,10 @@ static void quant_worker(void *arg, int64_t begin, int64_t end) {
 }
 
 int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int bits,
-                 int symmetric, int64_t block_size, void *q, float *scales, int8_t *zero_points,
-                 float *max_err, float *sqnr_db, int64_t *bad_row, int nthreads, int isa) {
-    if (!is_float_dtype(src_dtype)) return AXL_ERR_BAD_DTYPE;
+                 int symmetric, int64_t block_size, void *q, void *scales, int scale_dtype,
+                 int8_t *zero_points, float *max_err, float *sqnr_db, int64_t *bad_row,
+                 int nthreads, int isa) {
+    if (!is_float_dtype(src_dtype) || !is_scale_dtype(scale_dtype)) return AXL_ERR_BAD_DTYPE;
     int64_t numel = 0, groups = 0;
     int status = check_sizes(rows, cols, &numel);
     if (status != AXL_OK) return status;
@@ -192,8 +197,8 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
     }
     if (!w || !q || !scales || (!symmetric && !zero_points)) return AXL_ERR_NULL_POINTER;
 
-    size_t ws = axl_dtype_size(src_dtype);
-    if (misaligned(w, ws) || misaligned(scales, sizeof(float)) ||
+    size_t ws = axl_dtype_size(src_dtype), ss = axl_dtype_size(scale_dtype);
+    if (misaligned(w, ws) || misaligned(scales, ss) ||
         misaligned(max_err, sizeof(float)) || misaligned(sqnr_db, sizeof(float)))
         return AXL_ERR_MISALIGNED;
     /* numel <= MAX_ELEMENTS: none of these byte counts overflows. */
@@ -201,7 +206,7 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
     const span spans[] = {
         span_of(w, (uint64_t)numel * ws),
         span_of(q, (uint64_t)rows * q_row),
-        span_of(scales, (uint64_t)rows * (uint64_t)groups * sizeof(float)),
+        span_of(scales, (uint64_t)rows * (uint64_t)groups * ss),
         span_of(zero_points, (uint64_t)rows * (uint64_t)groups),
         span_of(max_err, (uint64_t)rows * sizeof(float)),
         span_of(sqnr_db, (uint64_t)rows * sizeof(float)),
@@ -215,7 +220,7 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
     quant_job job = {
         .fn = quant_kernels[isa][src_dtype],
         .fmt = {cols, block_size, groups, bits, symmetric,
-                (int64_t)(rows * q_row) >= AXL_STREAM_MIN_BYTES},
+                (int64_t)(rows * q_row) >= AXL_STREAM_MIN_BYTES, scale_dtype},
         .rows = rows,
         .workers = worker_count(nthreads, rows, numel),
         .w = w,
@@ -223,6 +228,7 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
         .q = q,
         .q_row = (size_t)q_row,
         .scales = scales,
+        .scales_row = (size_t)groups * ss,
         .zp = zero_points,
         .max_err = max_err,
         .sqnr_db = sqnr_db,
@@ -249,7 +255,8 @@ typedef struct dequant_job {
     int workers;
     const char *q;
     size_t q_row;
-    const float *scales;
+    const char *scales;
+    size_t scales_row; /* bytes per row of scales */
     const int8_t *zp;
     char *out;
     size_t out_row; /* bytes per row of out */
@@ -263,15 +270,15 @@ static void dequant_worker(void *arg, int64_t begin, int64_t end) {
     const int64_t g = job->fmt.groups;
     fp_env env = fp_enter();
     for (int64_t r = r0; r < r1; r++)
-        job->fn(job->q + (size_t)r * job->q_row, job->scales + r * g,
+        job->fn(job->q + (size_t)r * job->q_row, job->scales + (size_t)r * job->scales_row,
                 job->zp ? job->zp + r * g : NULL, &job->fmt, job->out + (size_t)r * job->out_row);
     fp_leave(env);
 }
 
-int axl_dequantize(const void *q, const float *scales, const int8_t *zero_points, int64_t rows,
-                   int64_t cols, int bits, int64_t block_size, void *out, int dst_dtype,
-                   int nthreads, int isa) {
-    if (!is_float_dtype(dst_dtype)) return AXL_ERR_BAD_DTYPE;
+int axl_dequantize(const void *q, const void *scales, int scale_dtype, const int8_t *zero_points,
+                   int64_t rows, int64_t cols, int bits, int64_t block_size, void *out,
+                   int dst_dtype, int nthreads, int isa) {
+    if (!is_float_dtype(dst_dtype) || !is_scale_dtype(scale_dtype)) return AXL_ERR_BAD_DTYPE;
     int64_t numel = 0, groups = 0;
     int status = check_sizes(rows, cols, &numel);
     if (status != AXL_OK) return status;
@@ -284,23 +291,24 @@ int axl_dequantize(const void *q, const float *scales, const int8_t *zero_points
     if (numel == 0) return AXL_OK;
     if (!q || !scales || !out) return AXL_ERR_NULL_POINTER;
 
-    size_t os = axl_dtype_size(dst_dtype);
-    if (misaligned(scales, sizeof(float)) || misaligned(out, os)) return AXL_ERR_MISALIGNED;
+    size_t os = axl_dtype_size(dst_dtype), ss = axl_dtype_size(scale_dtype);
+    if (misaligned(scales, ss) || misaligned(out, os)) return AXL_ERR_MISALIGNED;
     const uint64_t q_row = bits == 8 ? (uint64_t)cols : ((uint64_t)cols + 1) / 2;
     const span o = span_of(out, (uint64_t)numel * os);
     if (spans_overlap(o, span_of(q, (uint64_t)rows * q_row)) ||
-        spans_overlap(o, span_of(scales, (uint64_t)rows * (uint64_t)groups * sizeof(float))) ||
+        spans_overlap(o, span_of(scales, (uint64_t)rows * (uint64_t)groups * ss)) ||
         spans_overlap(o, span_of(zero_points, (uint64_t)rows * (uint64_t)groups)))
         return AXL_ERR_OVERLAP;
 
     dequant_job job = {
         .fn = dequant_kernels[isa][dst_dtype],
-        .fmt = {cols, block_size, groups, bits, zero_points == NULL, 0},
+        .fmt = {cols, block_size, groups, bits, zero_points == NULL, 0, scale_dtype},
         .rows = rows,
         .workers = worker_count(nthreads, rows, numel),
         .q = q,
         .q_row = (size_t)q_row,
         .scales = scales,
+        .scales_row = (size_t)groups * ss,
         .zp = zero_points,
         .out = out,
         .out_row = (size_t)cols * os,

@@ -2,8 +2,9 @@
  * step, the scalar helpers of internal.h for each block's set-up and for a row's tail.
  * Compiled for any x86 CPU (per-function target attributes); quant.c only calls these when
  * the CPU has AXL_NEEDS_AVX2. Bit for bit the arithmetic of quant_ref.c: the same IEEE
- * operations in the same order, no FMA, and vcvtps2dq rounding in the round-to-nearest-even
- * mode quant.c sets. */
+ * operations in the same order, no FMA (except where the product is exact: the statistics'
+ * squares, see internal.h), and vcvtps2dq rounding in the round-to-nearest-even mode quant.c
+ * sets. */
 #include "internal.h"
 
 #if AXL_X86
@@ -71,8 +72,8 @@ typedef struct stats16 {
 
 AXL_AVX2 INLINE void stats_add4(stats16 *s, int i, __m128 x, __m128 dq) {
     __m256d xd = _mm256_cvtps_pd(x), e = _mm256_sub_pd(xd, _mm256_cvtps_pd(dq));
-    s->signal[i] = _mm256_add_pd(s->signal[i], _mm256_mul_pd(xd, xd));
-    s->noise[i] = _mm256_add_pd(s->noise[i], _mm256_mul_pd(e, e));
+    s->signal[i] = _mm256_fmadd_pd(xd, xd, s->signal[i]); /* exact products: */
+    s->noise[i] = _mm256_fmadd_pd(e, e, s->noise[i]);     /* see internal.h */
     __m256d a = _mm256_andnot_pd(_mm256_set1_pd(-0.0), e);
     s->max_abs_err[i] = _mm256_max_pd(s->max_abs_err[i], a);
 }
@@ -89,7 +90,7 @@ AXL_AVX2 INLINE void stats_add16(stats16 *s, __m256 x0, __m256 x1, __m256 d0, __
  * not a multiple of 16 has a tail: its last < 16 elements, at most one per lane, which the
  * scalar code adds after the vector lanes, the order of quant_ref.c. */
 AXL_AVX2 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f, void *q,
-                              float *scales, int8_t *zp, float *max_err, float *sqnr_db,
+                              void *scales, int8_t *zp, float *max_err, float *sqnr_db,
                               const int bits, const int symmetric, const int stats) {
     const int64_t block = f->block, groups = f->groups;
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
@@ -129,10 +130,10 @@ AXL_AVX2 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f
         float scale, inv;
         int32_t z = 0;
         if (symmetric)
-            axl_qparams_sym(axl_f32_from_bits(amax), (float)qmax, &scale, &inv);
-        else if (axl_qparams_asym(lo, hi, qmin, qmax, &scale, &inv, &z))
+            axl_qparams_sym(axl_f32_from_bits(amax), (float)qmax, f->scale_dtype, &scale, &inv);
+        else if (axl_qparams_asym(lo, hi, qmin, qmax, f->scale_dtype, &scale, &inv, &z))
             return 1;
-        scales[g] = scale;
+        axl_scale_store(scales, f->scale_dtype, g, scale);
         if (zp) zp[g] = (int8_t)z;
 
         /* Pass 2: the values and statistics, from cache. */
@@ -195,7 +196,7 @@ AXL_AVX2 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f
 
 /* One specialisation per (bits, symmetric, stats). */
 AXL_AVX2 INLINE int quant_row_any(const void *w, int src_dtype, const axl_qformat *f, void *q,
-                                  float *scales, int8_t *zp, float *max_err, float *sqnr_db) {
+                                  void *scales, int8_t *zp, float *max_err, float *sqnr_db) {
     const int stats = max_err || sqnr_db;
 #define QR(b, sym, st) quant_row(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, b, sym, st)
     if (f->bits == 8) {
@@ -239,7 +240,7 @@ AXL_AVX2 INLINE void flush_stage(const float *stage, void *out, int64_t from, in
 }
 
 /* See axl_dequant_row_fn in internal.h. */
-AXL_AVX2 INLINE void dequant_row(const void *q, const float *scales, const int8_t *zp,
+AXL_AVX2 INLINE void dequant_row(const void *q, const void *scales, const int8_t *zp,
                                  const axl_qformat *f, void *out, int dst_dtype,
                                  const int bits) {
     const int64_t block = f->block, groups = f->groups;
@@ -247,7 +248,7 @@ AXL_AVX2 INLINE void dequant_row(const void *q, const float *scales, const int8_
     int64_t staged_from = 0, staged = 0; /* stage holds elements [staged_from, +staged) */
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * block, k1 = k0 + block, kv = k0 + (k1 - k0) / 16 * 16;
-        const float scale = scales[g];
+        const float scale = axl_scale_load(scales, f->scale_dtype, g);
         const int32_t z = zp ? zp[g] : 0;
         const __m256 scale_v = _mm256_set1_ps(scale);
         const __m256i zp_v = _mm256_set1_epi32(z);
@@ -293,11 +294,11 @@ AXL_AVX2 INLINE void dequant_row(const void *q, const float *scales, const int8_
 
 #define QUANT_AVX2(name, dtype)                                                          \
     AXL_AVX2 int axl_quant_row_##name##_avx2(const void *w, const axl_qformat *f, void *q, \
-                                             float *scales, int8_t *zp, float *max_err,  \
+                                             void *scales, int8_t *zp, float *max_err,   \
                                              float *sqnr_db) {                           \
         return quant_row_any(w, dtype, f, q, scales, zp, max_err, sqnr_db);              \
     }                                                                                    \
-    AXL_AVX2 void axl_dequant_row_##name##_avx2(const void *q, const float *scales,      \
+    AXL_AVX2 void axl_dequant_row_##name##_avx2(const void *q, const void *scales,       \
                                                 const int8_t *zp, const axl_qformat *f,   \
                                                 void *out) {                             \
         if (f->bits == 8)                                                                \

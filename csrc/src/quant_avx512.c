@@ -3,8 +3,9 @@
  * elements per step without masks; other per-channel rows 16 per step with masked tails.
  * Compiled for any x86 CPU (per-function target attributes); quant.c only calls these when
  * the CPU has AXL_NEEDS_AVX512. Bit for bit the arithmetic of quant_ref.c: the same IEEE
- * operations in the same order, no FMA, rounding by vcvtps2dq with embedded
- * round-to-nearest-even, and the same per-block set-up (16 blocks per vector). */
+ * operations in the same order, no FMA (except where the product is exact: the statistics'
+ * squares, see internal.h), rounding by vcvtps2dq with embedded round-to-nearest-even, and
+ * the same per-block set-up (16 blocks per vector). */
 #include "internal.h"
 
 #if AXL_X86
@@ -66,8 +67,8 @@ AXL_AVX512 INLINE void stats_add(stats16 *s, __m512 x, __m512 dq) {
                      _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(dq), 1)))};
     for (int h = 0; h < 2; h++) {
         __m512d e = _mm512_sub_pd(xs[h], ds[h]);
-        s->signal[h] = _mm512_add_pd(s->signal[h], _mm512_mul_pd(xs[h], xs[h]));
-        s->noise[h] = _mm512_add_pd(s->noise[h], _mm512_mul_pd(e, e));
+        s->signal[h] = _mm512_fmadd_pd(xs[h], xs[h], s->signal[h]); /* exact products: */
+        s->noise[h] = _mm512_fmadd_pd(e, e, s->noise[h]);          /* see internal.h */
         s->max_abs_err[h] = max_abs(s->max_abs_err[h], e);
     }
 }
@@ -82,10 +83,32 @@ AXL_AVX512 INLINE void stats_finish(const stats16 *s, float *max_err, float *sqn
     axl_qstats_finish(signal, noise, m, max_err, sqnr_db);
 }
 
+/* The scales of 16 blocks as a block uses them (axl_scale_round): each lane of s (finite,
+ * >= 0) as it is (AXL_F32) or rounded to bf16 as axl_f32_bits_to_bf16 rounds (nearest even:
+ * add 0x7FFF plus the lowest kept bit, then drop the low 16 bits) and widened back. */
+AXL_AVX512 INLINE __m512 round_scales(__m512 s, int scale_dtype) {
+    if (scale_dtype == AXL_F32) return s;
+    __m512i b = _mm512_castps_si512(s);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+/* Stores the lanes in `valid` of s (rounded by round_scales) as scales g0, g0 + 1, .. */
+AXL_AVX512 INLINE void store_scales(void *scales, int scale_dtype, int64_t g0, __mmask16 valid,
+                                    __m512 s) {
+    if (scale_dtype == AXL_F32)
+        _mm512_mask_storeu_ps((float *)scales + g0, valid, s);
+    else /* exact: the low 16 bits are 0 */
+        _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)scales + g0, valid,
+                                          _mm512_srli_epi32(_mm512_castps_si512(s), 16));
+}
+
 /* Any block size, 16 elements per step with masked tails: for per-channel rows whose width
- * is not a multiple of 32. See axl_quant_row_fn in internal.h. */
+ * is not a multiple of 32. Clamps everything, as the reference does. See axl_quant_row_fn in
+ * internal.h. */
 AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_qformat *f,
-                                       void *q, float *scales, int8_t *zp, float *max_err,
+                                       void *q, void *scales, int8_t *zp, float *max_err,
                                        float *sqnr_db, const int bits, const int symmetric,
                                        const int stats) {
     const int64_t block = f->block, groups = f->groups;
@@ -137,6 +160,7 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
             s = _mm512_div_ps(_mm512_sub_ps(u, l), _mm512_set1_ps((float)(qmax - qmin)));
             if (_mm512_mask_cmp_ps_mask(valid, s, inf, _CMP_EQ_OQ)) return 1;
         }
+        s = round_scales(s, f->scale_dtype);
         __mmask16 pos = _mm512_mask_cmp_ps_mask(valid, s, zero, _CMP_GT_OQ);
         __m512 r = _mm512_maskz_div_ps(pos, one, s);
         __mmask16 ok = _mm512_mask_cmp_ps_mask(pos, r, inf, _CMP_LT_OQ);
@@ -148,7 +172,7 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
             z = _mm512_min_epi32(_mm512_max_epi32(z, qmin_v), qmax_v);
             z = _mm512_maskz_mov_epi32(ok, z);
         }
-        _mm512_mask_storeu_ps(scales + g0, valid, s);
+        store_scales(scales, f->scale_dtype, g0, valid, s);
         if (zp) _mm512_mask_cvtepi32_storeu_epi8(zp + g0, valid, z);
         float inv[CHUNK], scale[CHUNK];
         int32_t zpi[CHUNK];
@@ -313,8 +337,8 @@ AXL_AVX512 INLINE void stats_add32(stats16 *s, int even_odd, __m512 x0, __m512 x
             __m256 dv = half ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ds[h]), 1))
                              : _mm512_castps512_ps256(ds[h]);
             __m512d xd = _mm512_cvtps_pd(xv), e = _mm512_sub_pd(xd, _mm512_cvtps_pd(dv));
-            s->signal[h] = _mm512_add_pd(s->signal[h], _mm512_mul_pd(xd, xd));
-            s->noise[h] = _mm512_add_pd(s->noise[h], _mm512_mul_pd(e, e));
+            s->signal[h] = _mm512_fmadd_pd(xd, xd, s->signal[h]);
+            s->noise[h] = _mm512_fmadd_pd(e, e, s->noise[h]);
             s->max_abs_err[h] = max_abs(s->max_abs_err[h], e);
         }
 }
@@ -363,13 +387,37 @@ AXL_AVX512 INLINE __m128i nibbles_eo(__m512i even, __m512i odd) {
     return _mm512_cvtepi32_epi8(pair);
 }
 
-/* Clamps the vector code leaves out. Symmetric: |x| <= amax, so |x * inv| <= qmax
- * (1 + 2^-21) even for the least precise (subnormal) scale that is kept, which rounds to
- * at most qmax: no clamp can bind. Asymmetric: x >= lo, and rounding is monotonic, so
- * nearbyint(x * inv) + zp >= nearbyint(lo * inv) + qmin - nearbyint(lo * inv) = qmin
- * (zp itself never clamps: lo * inv lies in [-(qmax - qmin)(1 + 2^-22), 0]); only the upper
- * clamp can bind, by 1, when both ends round away. The scalar reference clamps everything;
- * the tests check that both agree bit for bit. */
+/* Clamps the vector code leaves out, proven per format and scale dtype. Let s be a block's
+ * fp32 scale and `scale` the one it uses: s itself (AXL_F32) or s rounded to bf16 (AXL_BF16).
+ * A kept scale has a finite 1 / scale, so scale > 2^-128; in bf16 that means at least the bf16
+ * after 2^-128, 2^-128 (1 + 2^-5), where bf16 values are 2^-133 apart, so
+ * s / scale <= 1 + 2^-6 (and <= 1 + 2^-8 for scale >= 2^-126, where bf16 has 8 significant
+ * bits). The fp32 roundings of s (subnormal s included), inv and x * inv add less than
+ * 2^-21 relative together. So |x| <= amax, resp. |lo| <= hi - lo, give
+ *   symmetric:  |x * inv|  <= qmax (s / scale)(1 + 2^-21):
+ *               F32: qmax (1 + 2^-21); BF16: 7.11 for int4, 128.99 for int8;
+ *   asymmetric: |lo * inv| <= (qmax - qmin)(s / scale)(1 + 2^-21):
+ *               F32: 15.0001 / 255.001; BF16: 15.24 for int4, 259.0 for int8.
+ * Hence:
+ *   symmetric int4 (F32 or BF16), symmetric int8 F32: |nearbyint(x * inv)| <= qmax: no clamp
+ *     binds.
+ *   symmetric int8 BF16: nearbyint(x * inv) lies in [-129, 129], both clamps can bind, but
+ *     only for scales below 2^-126 (above, 127 (1 + 2^-8)(1 + 2^-21) < 127.5). For those
+ *     blocks the store saturates to [-128, 127] after raising the int16 values to >= -127,
+ *     and the statistics clamp the int32 values to [-127, 127].
+ *   asymmetric: while zp = qmin - nearbyint(lo * inv) needs no clamp, x >= lo and rounding
+ *     is monotonic, so nearbyint(x * inv) + zp >= qmin: only the upper clamp can bind (by 1
+ *     for F32, when both ends round away; by more for BF16). zp is clamped only when
+ *     |lo * inv| > qmax - qmin + 1/2: never for F32, nor for int4 BF16 (15.24), but for int8
+ *     BF16 (up to 259: zp = 131 -> 127), and then the lower clamp binds too.
+ *     int4 clamps q to <= qmax; int8 stores with signed saturation, which is both clamps
+ *     ([qmin, qmax] = [-128, 127]). The statistics clamp q - zp to <= qmax - zp, and for int8
+ *     BF16 blocks with a clamped zero point (zp = qmax) also to >= qmin - zp.
+ * quant_row_fast takes `rounded` = 1 for int8 with BF16 scales, the only formats that need
+ * extra clamps, and applies them only to the blocks named above (quant_block's `clamp`), so
+ * that other blocks cost what they cost with F32 scales. The scalar reference clamps
+ * everything; the tests check that both agree bit for bit, on blocks built so that each clamp
+ * above binds (test_quant.c). */
 
 AXL_AVX512 INLINE void store32(void *p, __m256i v, int stream) {
     if (stream)
@@ -385,12 +433,74 @@ AXL_AVX512 INLINE void store16(void *p, __m128i v, int stream) {
         _mm_storeu_si128((__m128i *)p, v);
 }
 
+/* Pass 2 of one block, elements [k0, k1) of the row (k1 - k0 a multiple of 32): its q and
+ * statistics, with the block's inv, scale and zero point; prefetches the line at `ahead` and
+ * those after it (one per 32 elements of 16-bit source, two of f32) and returns the address
+ * that follows. clamp: 1 adds the clamps of int8 with bf16 scales (see above). */
+AXL_AVX512 INLINE uintptr_t quant_block(const void *w, int src_dtype, int64_t k0, int64_t k1,
+                                        float inv, float scale, int32_t zp, uintptr_t ahead,
+                                        void *q, int stream, stats16 *st, const int bits,
+                                        const int symmetric, const int stats, const int clamp) {
+    const int eo = EVEN_ODD(src_dtype), wide = src_dtype == AXL_F32;
+    const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
+    const uintptr_t step_bytes = wide ? 128 : 64; /* per 32 elements */
+    int8_t *q8 = q;
+    uint8_t *q4 = q;
+    const __m512 inv_v = _mm512_set1_ps(inv), scale_v = _mm512_set1_ps(scale);
+    const __m512i zp16 = _mm512_set1_epi16((short)zp);
+    const __m512i qmin16 = _mm512_set1_epi16((short)qmin);
+    const __m512i qmax16 = _mm512_set1_epi16((short)qmax);
+    /* The statistics' q - zp: v clamped to [qmin - zp, qmax - zp] where that can bind. */
+    const __m512i dlo = _mm512_set1_epi32(qmin - zp);
+    const __m512i dhi = _mm512_set1_epi32(qmax - zp);
+    for (int64_t k = k0; k < k1; k += 32) {
+        /* An address, not a C pointer: it may lie past the end of the weight. */
+        _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+        if (wide) _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T0);
+        ahead += step_bytes;
+        __m512 x0, x1;
+        load32(w, src_dtype, k, &x0, &x1);
+        __m512i v0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, inv_v), RNE);
+        __m512i v1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, inv_v), RNE);
+        if (bits == 4 && eo && symmetric) { /* nibble pairs from the even/odd lanes */
+            store16(q4 + k / 2, nibbles_eo(v0, v1), stream);
+        } else {
+            /* |v| <= 2^9: exact in int16; + zp and the clamp there. */
+            __m512i w16 = to_words(eo, v0, v1);
+            if (!symmetric) w16 = _mm512_add_epi16(w16, zp16);
+            if (bits == 8 && symmetric && clamp) w16 = _mm512_max_epi16(w16, qmin16);
+            if (bits == 8) /* saturating: the clamp to [-128, 127] */
+                store32(q8 + k, _mm512_cvtsepi16_epi8(w16), stream);
+            else
+                store16(q4 + k / 2, nibbles32(symmetric ? w16 : _mm512_min_epi16(w16, qmax16)),
+                        stream);
+        }
+        if (stats) {
+            __m512i d0 = v0, d1 = v1;
+            if (!symmetric || clamp) {
+                d0 = _mm512_min_epi32(d0, dhi);
+                d1 = _mm512_min_epi32(d1, dhi);
+            }
+            if (clamp) {
+                d0 = _mm512_max_epi32(d0, dlo);
+                d1 = _mm512_max_epi32(d1, dlo);
+            }
+            stats_add32(st, eo, x0, x1, _mm512_mul_ps(_mm512_cvtepi32_ps(d0), scale_v),
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(d1), scale_v));
+        }
+    }
+    return ahead;
+}
+
 /* fixed_block: the block size as a compile-time constant (common sizes, so that the inner
- * loops unroll), or 0 to read it from f. */
+ * loops unroll), or 0 to read it from f. rounded: 1 for int8 with BF16 scales, whose clamps
+ * can bind where F32 ones cannot (see above); 0 otherwise (f->scale_dtype still says how the
+ * scales are rounded and stored). */
 AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qformat *f,
-                                     void *q, float *scales, int8_t *zp, float *max_err,
+                                     void *q, void *scales, int8_t *zp, float *max_err,
                                      float *sqnr_db, const int bits, const int symmetric,
-                                     const int stats, const int64_t fixed_block) {
+                                     const int stats, const int rounded,
+                                     const int64_t fixed_block) {
     const int64_t block = fixed_block ? fixed_block : f->block, groups = f->groups;
     const int eo = EVEN_ODD(src_dtype), wide = src_dtype == AXL_F32;
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
@@ -399,8 +509,6 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
     /* Bits (as keys) of +Inf and -Inf: beyond them lie NaNs. */
     const int32_t pos_inf = wide ? 0x7F800000 : src_dtype == AXL_BF16 ? 0x7F80 : 0x7C00;
     const int32_t neg_inf_key = wide ? (int32_t)0x807FFFFF : src_dtype == AXL_BF16 ? -32641 : -31745;
-    int8_t *q8 = q;
-    uint8_t *q4 = q;
     /* Non-temporal stores of q when it is large and this row's stores are aligned (every
      * store covers 32 elements: 32 bytes, or 16 for 4 bits). */
     const int stream = f->stream && (uintptr_t)q % (bits == 8 ? 32 : 16) == 0;
@@ -496,6 +604,7 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
             s = _mm512_div_ps(_mm512_sub_ps(hi, lo), _mm512_set1_ps((float)(qmax - qmin)));
             if (_mm512_mask_cmp_ps_mask(valid, s, inf, _CMP_EQ_OQ)) return 1;
         }
+        s = round_scales(s, f->scale_dtype);
         __mmask16 pos = _mm512_mask_cmp_ps_mask(valid, s, zero, _CMP_GT_OQ);
         __m512 r = _mm512_maskz_div_ps(pos, one, s);
         __mmask16 ok = _mm512_mask_cmp_ps_mask(pos, r, inf, _CMP_LT_OQ);
@@ -508,7 +617,7 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
             z = _mm512_min_epi32(_mm512_max_epi32(z, qmin_v), qmax_v);
             z = _mm512_maskz_mov_epi32(ok, z);
         }
-        _mm512_mask_storeu_ps(scales + g0, valid, s);
+        store_scales(scales, f->scale_dtype, g0, valid, s);
         if (zp) _mm512_mask_cvtepi32_storeu_epi8(zp + g0, valid, z);
         float inv[CHUNK], scale[CHUNK];
         int32_t zpi[CHUNK];
@@ -520,42 +629,17 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
          * next (the next chunk, or row: rows are contiguous) are prefetched, so the memory
          * keeps streaming while this pass computes. Prefetches never fault. */
         uintptr_t ahead = (uintptr_t)w + (uintptr_t)((g0 + nb) * block) * (wide ? 4 : 2);
-        const uintptr_t step_bytes = wide ? 128 : 64; /* per 32 elements */
         for (int b = 0; b < nb; b++) {
-            const int64_t k0 = (g0 + b) * block, k1 = k0 + block;
-            const __m512 inv_v = _mm512_set1_ps(inv[b]), scale_v = _mm512_set1_ps(scale[b]);
-            const __m512i zp16 = _mm512_set1_epi16((short)zpi[b]);
-            const __m512i qmax16 = _mm512_set1_epi16((short)qmax);
-            /* The statistics' q - zp: v clamped to qmax - zp (see above). */
-            const __m512i dhi = _mm512_set1_epi32(qmax - zpi[b]);
-            for (int64_t k = k0; k < k1; k += 32) {
-                /* An address, not a C pointer: it may lie past the end of the weight. */
-                _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-                if (wide) _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T0);
-                ahead += step_bytes;
-                __m512 x0, x1;
-                load32(w, src_dtype, k, &x0, &x1);
-                __m512i v0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, inv_v), RNE);
-                __m512i v1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, inv_v), RNE);
-                if (bits == 4 && eo && symmetric) { /* nibble pairs from the even/odd lanes */
-                    store16(q4 + k / 2, nibbles_eo(v0, v1), stream);
-                } else {
-                    /* |v| <= 2^9: exact in int16; + zp and the clamp there. */
-                    __m512i w16 = to_words(eo, v0, v1);
-                    if (!symmetric) w16 = _mm512_add_epi16(w16, zp16);
-                    if (bits == 8) /* saturating: the asymmetric clamp to [-128, 127] */
-                        store32(q8 + k, _mm512_cvtsepi16_epi8(w16), stream);
-                    else
-                        store16(q4 + k / 2,
-                                nibbles32(symmetric ? w16 : _mm512_min_epi16(w16, qmax16)), stream);
-                }
-                if (stats) {
-                    __m512i d0 = symmetric ? v0 : _mm512_min_epi32(v0, dhi);
-                    __m512i d1 = symmetric ? v1 : _mm512_min_epi32(v1, dhi);
-                    stats_add32(&st, eo, x0, x1, _mm512_mul_ps(_mm512_cvtepi32_ps(d0), scale_v),
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(d1), scale_v));
-                }
-            }
+            const int64_t k0 = (g0 + b) * block;
+            /* The extra clamps of int8 with bf16 scales, only for the blocks where they can
+             * bind (see above): symmetric, a scale below 2^-126; asymmetric, a clamped zero
+             * point (so zp = qmax). */
+            const int clamp = rounded && (symmetric ? scale[b] < 0x1p-126f : zpi[b] == qmax);
+#define QB(c)                                                                               \
+    quant_block(w, src_dtype, k0, k0 + block, inv[b], scale[b], zpi[b], ahead, q, stream, &st, \
+                bits, symmetric, stats, c)
+            ahead = clamp ? QB(1) : QB(0);
+#undef QB
         }
     }
     if (stream) _mm_sfence(); /* order the streamed q before the caller's next reads */
@@ -563,27 +647,39 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
     return 0;
 }
 
+/* Blocks of a multiple of 32 elements, by block size. */
+AXL_AVX512 INLINE int quant_row_blocks(const void *w, int src_dtype, const axl_qformat *f,
+                                       void *q, void *scales, int8_t *zp, float *max_err,
+                                       float *sqnr_db, const int bits, const int symmetric,
+                                       const int stats, const int rounded) {
+#define QF(fixed)                                                                           \
+    quant_row_fast(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits, symmetric, stats, \
+                   rounded, fixed)
+    if (f->block == 32) return QF(32);
+    if (f->block == 64) return QF(64);
+    return QF(0);
+#undef QF
+}
+
 /* See axl_quant_row_fn in internal.h; src_dtype, bits, symmetric and stats are constants
  * after inlining, so each combination is its own loop. */
 AXL_AVX512 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f, void *q,
-                                float *scales, int8_t *zp, float *max_err, float *sqnr_db,
+                                void *scales, int8_t *zp, float *max_err, float *sqnr_db,
                                 const int bits, const int symmetric, const int stats) {
-    if (f->block == 32)
-        return quant_row_fast(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits, symmetric,
-                              stats, 32);
-    if (f->block == 64)
-        return quant_row_fast(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits, symmetric,
-                              stats, 64);
-    if (f->block % 32 == 0)
-        return quant_row_fast(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits, symmetric,
-                              stats, 0);
+    if (f->block % 32 == 0) {
+        if (bits == 8 && f->scale_dtype == AXL_BF16)
+            return quant_row_blocks(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits,
+                                    symmetric, stats, 1);
+        return quant_row_blocks(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits,
+                                symmetric, stats, 0);
+    }
     return quant_row_masked(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits, symmetric,
                             stats);
 }
 
 /* One specialisation per (bits, symmetric, stats). */
 AXL_AVX512 INLINE int quant_row_any(const void *w, int src_dtype, const axl_qformat *f, void *q,
-                                    float *scales, int8_t *zp, float *max_err, float *sqnr_db) {
+                                    void *scales, int8_t *zp, float *max_err, float *sqnr_db) {
     const int stats = max_err || sqnr_db;
 #define QR(b, sym, st) quant_row(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, b, sym, st)
     if (f->bits == 8) {
@@ -600,7 +696,7 @@ AXL_AVX512 INLINE int quant_row_any(const void *w, int src_dtype, const axl_qfor
 #define STAGE 512
 
 /* See axl_dequant_row_fn in internal.h. */
-AXL_AVX512 INLINE void dequant_row(const void *q, const float *scales, const int8_t *zp,
+AXL_AVX512 INLINE void dequant_row(const void *q, const void *scales, const int8_t *zp,
                                    const axl_qformat *f, void *out, int dst_dtype,
                                    const int bits) {
     const int64_t block = f->block, groups = f->groups;
@@ -610,7 +706,7 @@ AXL_AVX512 INLINE void dequant_row(const void *q, const float *scales, const int
     int64_t staged_from = 0, staged = 0; /* stage holds elements [staged_from, +staged) */
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * block, k1 = k0 + block;
-        const __m512 scale_v = _mm512_set1_ps(scales[g]);
+        const __m512 scale_v = _mm512_set1_ps(axl_scale_load(scales, f->scale_dtype, g));
         const __m512i zp_v = _mm512_set1_epi32(zp ? zp[g] : 0);
         for (int64_t k = k0; k < k1; k += 16) {
             const int64_t n = k1 - k < 16 ? k1 - k : 16;
@@ -645,11 +741,11 @@ AXL_AVX512 INLINE void dequant_row(const void *q, const float *scales, const int
 
 #define QUANT_AVX512(name, dtype)                                                          \
     AXL_AVX512 int axl_quant_row_##name##_avx512(const void *w, const axl_qformat *f,      \
-                                                 void *q, float *scales, int8_t *zp,       \
+                                                 void *q, void *scales, int8_t *zp,        \
                                                  float *max_err, float *sqnr_db) {         \
         return quant_row_any(w, dtype, f, q, scales, zp, max_err, sqnr_db);                \
     }                                                                                      \
-    AXL_AVX512 void axl_dequant_row_##name##_avx512(const void *q, const float *scales,    \
+    AXL_AVX512 void axl_dequant_row_##name##_avx512(const void *q, const void *scales,     \
                                                     const int8_t *zp, const axl_qformat *f, \
                                                     void *out) {                           \
         if (f->bits == 8)                                                                  \

@@ -27,7 +27,7 @@ static inline float load_elem(const void *w, int src_dtype, int64_t k) {
 
 /* See axl_quant_row_fn in internal.h. */
 static inline int quant_row(const void *w, int src_dtype, const axl_qformat *f, void *q,
-                            float *scales, int8_t *zp, float *max_err, float *sqnr_db) {
+                            void *scales, int8_t *zp, float *max_err, float *sqnr_db) {
     const int stats = max_err || sqnr_db;
     const int32_t qmax = axl_qmax(f), qmin = axl_qmin(f);
     int8_t *q8 = q;
@@ -50,10 +50,10 @@ static inline int quant_row(const void *w, int src_dtype, const axl_qformat *f, 
         float scale, inv;
         int32_t z = 0;
         if (f->symmetric)
-            axl_qparams_sym(axl_f32_from_bits(amax), (float)qmax, &scale, &inv);
-        else if (axl_qparams_asym(lo, hi, qmin, qmax, &scale, &inv, &z))
+            axl_qparams_sym(axl_f32_from_bits(amax), (float)qmax, f->scale_dtype, &scale, &inv);
+        else if (axl_qparams_asym(lo, hi, qmin, qmax, f->scale_dtype, &scale, &inv, &z))
             return 1;
-        scales[g] = scale;
+        axl_scale_store(scales, f->scale_dtype, g, scale);
         if (zp) zp[g] = (int8_t)z;
         /* Pass 2: the values, from cache. */
         for (int64_t k = k0; k < k1; k++) {
@@ -84,13 +84,13 @@ static inline void store_elem(void *out, int dst_dtype, int64_t k, float y) {
 }
 
 /* See axl_dequant_row_fn in internal.h. */
-static inline void dequant_row(const void *q, const float *scales, const int8_t *zp,
+static inline void dequant_row(const void *q, const void *scales, const int8_t *zp,
                                const axl_qformat *f, void *out, int dst_dtype) {
     const int8_t *q8 = q;
     const uint8_t *q4 = q;
     for (int64_t g = 0; g < f->groups; g++) {
         const int64_t k0 = g * f->block, k1 = k0 + f->block;
-        const float scale = scales[g];
+        const float scale = axl_scale_load(scales, f->scale_dtype, g);
         const int32_t z = zp ? zp[g] : 0;
         for (int64_t k = k0; k < k1; k++) {
             int32_t v = f->bits == 8 ? q8[k] : axl_nibble_value((q4[k >> 1] >> (4 * (k & 1))) & 0xFu);
@@ -99,15 +99,14 @@ static inline void dequant_row(const void *q, const float *scales, const int8_t 
     }
 }
 
-#define QUANT_REF(name, dtype)                                                              \
-    int axl_quant_row_##name##_ref(const void *w, const axl_qformat *f, void *q,            \
-                                   float *scales, int8_t *zp, float *max_err,               \
-                                   float *sqnr_db) {                                        \
-        return quant_row(w, dtype, f, q, scales, zp, max_err, sqnr_db);                     \
-    }                                                                                       \
-    void axl_dequant_row_##name##_ref(const void *q, const float *scales, const int8_t *zp, \
-                                      const axl_qformat *f, void *out) {                    \
-        dequant_row(q, scales, zp, f, out, dtype);                                          \
+#define QUANT_REF(name, dtype)                                                             \
+    int axl_quant_row_##name##_ref(const void *w, const axl_qformat *f, void *q, void *scales, \
+                                   int8_t *zp, float *max_err, float *sqnr_db) {              \
+        return quant_row(w, dtype, f, q, scales, zp, max_err, sqnr_db);                       \
+    }                                                                                         \
+    void axl_dequant_row_##name##_ref(const void *q, const void *scales, const int8_t *zp,    \
+                                      const axl_qformat *f, void *out) {                      \
+        dequant_row(q, scales, zp, f, out, dtype);                                            \
     }
 
 QUANT_REF(f32, AXL_F32)

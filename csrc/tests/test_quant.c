@@ -1,9 +1,10 @@
-/* test_quant.c - axl_quantize / axl_dequantize: golden bytes pinning the int4 nibble order,
- * the scalar reference against the documented formulas (values, dequantized values, error
- * statistics, the half-step error bound), every vectorised ISA equal to the reference bit
- * for bit (every source and destination dtype, every format, odd widths, 1/2/3/all
- * threads, with FTZ/DAZ and another rounding mode set by the caller), zero blocks,
- * subnormals, NaN/Inf rows, thread creation failure, and bad arguments. */
+/* test_quant.c - axl_quantize / axl_dequantize: golden bytes pinning the int4 nibble order
+ * and the bf16 rounding of scales, the scalar reference against the documented formulas
+ * (values, dequantized values, error statistics, the error bound), every vectorised ISA equal
+ * to the reference bit for bit (every source and destination dtype, every format, odd widths,
+ * 1/2/3/all threads, with FTZ/DAZ and another rounding mode set by the caller), blocks on
+ * which every clamp binds, zero blocks, subnormals, NaN/Inf rows, thread creation failure,
+ * and bad arguments. Every one of these runs with f32 and with bf16 scales. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,6 +22,7 @@
 
 static const int float_dtypes[] = {AXL_F32, AXL_BF16, AXL_F16};
 static const char *const dtype_names[] = {"f32", "bf16", "f16"};
+static const int scale_dtypes[] = {AXL_F32, AXL_BF16}; /* how scales are stored */
 static const int thread_counts[] = {1, 2, 3, 0};
 
 static uint64_t rng_state = 0x853C49E6748FEA9Bu;
@@ -105,9 +107,10 @@ static void *make_weight(int dtype, int64_t rows, int64_t cols) {
 typedef struct qres {
     int64_t rows, cols, groups;
     int bits;
-    size_t q_bytes;
+    int scale_dtype;
+    size_t q_bytes, scale_size; /* scale_size: bytes per scale */
     unsigned char *q;
-    float *scales;
+    void *scales;
     int8_t *zp;
     float *max_err, *sqnr;
     int64_t bad_row;
@@ -136,14 +139,17 @@ static int untouched(const void *p, size_t bytes) {
 
 static int64_t q_row_bytes(int64_t cols, int bits) { return bits == 8 ? cols : (cols + 1) / 2; }
 
-static void qres_init(qres *r, int64_t rows, int64_t cols, int bits, int64_t block) {
+static void qres_init(qres *r, int64_t rows, int64_t cols, int bits, int64_t block,
+                      int scale_dtype) {
     r->rows = rows;
     r->cols = cols;
     r->bits = bits;
+    r->scale_dtype = scale_dtype;
+    r->scale_size = axl_dtype_size(scale_dtype);
     r->groups = cols ? cols / block : 0;
     r->q_bytes = (size_t)(rows * q_row_bytes(cols, bits));
     r->q = guarded(r->q_bytes);
-    r->scales = guarded((size_t)(rows * r->groups) * 4);
+    r->scales = guarded((size_t)(rows * r->groups) * r->scale_size);
     r->zp = guarded((size_t)(rows * r->groups));
     r->max_err = guarded((size_t)rows * 4);
     r->sqnr = guarded((size_t)rows * 4);
@@ -160,7 +166,7 @@ static void qres_free(qres *r) {
 
 static int qres_guards(const qres *r) {
     size_t sg = (size_t)(r->rows * r->groups);
-    return guard_intact(r->q, r->q_bytes) && guard_intact(r->scales, sg * 4) &&
+    return guard_intact(r->q, r->q_bytes) && guard_intact(r->scales, sg * r->scale_size) &&
            guard_intact(r->zp, sg) && guard_intact(r->max_err, (size_t)r->rows * 4) &&
            guard_intact(r->sqnr, (size_t)r->rows * 4);
 }
@@ -168,15 +174,39 @@ static int qres_guards(const qres *r) {
 static int run_quantize(const void *w, int dt, int symmetric, int64_t block, int stats,
                         qres *r, int nthreads, int isa) {
     return axl_quantize(w, dt, r->rows, r->cols, r->bits, symmetric, block, r->q, r->scales,
-                        symmetric ? NULL : r->zp, stats ? r->max_err : NULL,
+                        r->scale_dtype, symmetric ? NULL : r->zp, stats ? r->max_err : NULL,
                         stats ? r->sqnr : NULL, &r->bad_row, nthreads, isa);
+}
+
+static int run_dequantize(const qres *r, int symmetric, int64_t block, void *out, int dst_dtype,
+                          int nthreads, int isa) {
+    return axl_dequantize(r->q, r->scales, r->scale_dtype, symmetric ? NULL : r->zp, r->rows,
+                          r->cols, r->bits, block, out, dst_dtype, nthreads, isa);
+}
+
+/* Scale i (row * groups + block) of a result, widened to f32. */
+static float scale_at(const qres *r, int64_t i) {
+    if (r->scale_dtype == AXL_F32) return ((const float *)r->scales)[i];
+    return axl_f32_from_bits((uint32_t)((const uint16_t *)r->scales)[i] << 16);
+}
+
+/* f32 -> bf16 -> f32, round to nearest even, written out independently of the library: the
+ * dropped 16 bits decide, a tie goes to the even kept value. For finite x only. */
+static float bf16_rounded(float x) {
+    uint32_t b = axl_bits_of_f32(x), kept = b & 0xFFFF0000u, dropped = b & 0xFFFFu;
+    if (dropped > 0x8000u || (dropped == 0x8000u && (kept & 0x10000u))) kept += 0x10000u;
+    return axl_f32_from_bits(kept);
+}
+
+static const char *scale_name(int scale_dtype) {
+    return scale_dtype == AXL_F32 ? "f32 scales" : "bf16 scales";
 }
 
 /* Name of the first output that differs ("" if none). */
 static const char *qres_diff(const qres *a, const qres *b, int symmetric, int stats) {
     size_t sg = (size_t)(a->rows * a->groups);
     if (memcmp(a->q, b->q, a->q_bytes)) return "q";
-    if (memcmp(a->scales, b->scales, sg * 4)) return "scales";
+    if (memcmp(a->scales, b->scales, sg * a->scale_size)) return "scales";
     if (!symmetric && memcmp(a->zp, b->zp, sg)) return "zero points";
     if (stats && memcmp(a->max_err, b->max_err, (size_t)a->rows * 4)) return "max_err";
     if (stats && memcmp(a->sqnr, b->sqnr, (size_t)a->rows * 4)) return "sqnr_db";
@@ -194,7 +224,9 @@ static int32_t q_at(const qres *r, int64_t row, int64_t k) {
 /* ---- the reference against the documented arithmetic ------------------------------------ */
 
 /* Re-derives every output of a scalar run from the formulas in autoxla.h, written out
- * independently, and checks the half-step error bound. Returns the number of failures. */
+ * independently, and checks the error bound: half a step, plus, when a bf16 scale rounded
+ * below the fp32 one s, the range the grid loses, span * (s - scale) (span = qmax - qmin, or
+ * qmax when symmetric: the clamped ends). Returns the number of failures. */
 static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t block,
                               const qres *r, const char *what) {
     const int32_t qmax = r->bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
@@ -209,7 +241,9 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                 lo = x < lo ? x : lo;
                 hi = x > hi ? x : hi;
             }
-            float scale = symmetric ? amax / (float)qmax : (hi - lo) / (float)(qmax - qmin);
+            const float s = symmetric ? amax / (float)qmax : (hi - lo) / (float)(qmax - qmin);
+            float scale = r->scale_dtype == AXL_BF16 ? bf16_rounded(s) : s;
+            const double lost = (symmetric ? qmax : qmax - qmin) * fmax(0.0, (double)s - scale);
             float inv = scale > 0 ? 1.0f / scale : INFINITY;
             int32_t zp = 0;
             if (isinf(inv)) scale = inv = 0;
@@ -217,7 +251,7 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                 zp = qmin - (int32_t)nearbyintf(lo * inv);
                 zp = zp < qmin ? qmin : zp > qmax ? qmax : zp;
             }
-            float got_scale = r->scales[row * r->groups + g];
+            float got_scale = scale_at(r, row * r->groups + g);
             int32_t got_zp = symmetric ? 0 : r->zp[row * r->groups + g];
             if (memcmp(&got_scale, &scale, 4) || got_zp != zp) {
                 CHECK_MSG(0, "%s row %lld block %lld: scale %a zp %d, want %a zp %d", what,
@@ -233,9 +267,12 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                 float dq = (float)(v - zp) * scale;
                 /* Half a step, plus the scale's and the product's fp32 rounding (about
                  * 2^-15 of a step, see test_quantize.py), plus 2^-149 for subnormal
-                 * products; a zero block holds only values below 2^-120. */
+                 * products, plus the range lost to a bf16 scale rounded down; a zero block
+                 * holds only values below ~2^-120 (255 * 2^-128 (1 + 2^-6) with a bf16
+                 * scale that rounds to 2^-128). */
                 double err = fabs((double)x - (double)dq);
-                double bound = scale > 0 ? scale * (0.5 + 1.0 / 8192) + 0x1p-149 : 0x1p-120;
+                double bound =
+                    scale > 0 ? scale * (0.5 + 1.0 / 8192) + 0x1p-149 + lost : 0x1p-119;
                 if (got != v || err > bound) {
                     CHECK_MSG(0, "%s row %lld col %lld: x %a q %d want %d, |x - dq| %g > %g",
                               what, (long long)row, (long long)k, x, got, v, err, bound);
@@ -243,6 +280,17 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                     break;
                 }
                 double e = (double)x - (double)dq;
+                /* What lets the vector kernels fuse each product with its sum (FMA) and still
+                 * give these bits: e is x - dq exactly (TwoSum's error term is 0), and e * e
+                 * and x * x are exact doubles (fma's residual is 0). */
+                double xp = e + (double)dq, dp = e - xp;
+                if (((double)x - xp) + (-(double)dq - dp) != 0 || fma(e, e, -(e * e)) != 0 ||
+                    fma((double)x, (double)x, -((double)x * (double)x)) != 0) {
+                    CHECK_MSG(0, "%s row %lld col %lld: x %a dq %a: x - dq or a square inexact",
+                              what, (long long)row, (long long)k, x, dq);
+                    bad++;
+                    break;
+                }
                 sig[k % 16] += (double)x * (double)x;
                 noi[k % 16] += e * e;
                 emax = fabs(e) > emax ? fabs(e) : emax;
@@ -276,7 +324,7 @@ static void check_dequant_formula(const qres *r, int symmetric, int64_t block, i
         for (int64_t k = 0; k < r->cols; k++) {
             int64_t g = row * r->groups + k / block;
             int32_t zp = symmetric ? 0 : r->zp[g];
-            y[row * r->cols + k] = (float)(q_at(r, row, k) - zp) * r->scales[g];
+            y[row * r->cols + k] = (float)(q_at(r, row, k) - zp) * scale_at(r, g);
         }
     CHECK_EQ(axl_convert(y, AXL_F32, want, dd, n, 1, AXL_ISA_SCALAR), AXL_OK);
     CHECK_MSG(memcmp(want, out, (size_t)n * ds) == 0, "%s: dequantized values differ", what);
@@ -300,69 +348,72 @@ typedef struct case_opts {
     int all_threads; /* 1, 2, 3, 0 threads too */
 } case_opts;
 
-/* One weight: the reference, then every ISA (with and without statistics), for every
- * format and block size; dequantized back to every dtype by every ISA. */
+/* One weight and format: the reference, then every ISA (with and without statistics);
+ * dequantized back to every dtype by every ISA. */
+static void check_format(const void *w, int dt, int64_t rows, int64_t cols, int bits,
+                         int symmetric, int64_t block, int scale_dtype, case_opts opts) {
+    size_t n = (size_t)(rows * cols);
+    char what[192];
+    snprintf(what, sizeof what, "%s %lldx%lld int%d %s block %lld %s", dtype_names[dt],
+             (long long)rows, (long long)cols, bits, symmetric ? "sym" : "asym", (long long)block,
+             scale_name(scale_dtype));
+    qres want;
+    qres_init(&want, rows, cols, bits, block, scale_dtype);
+    int status = run_quantize(w, dt, symmetric, block, 1, &want, 1, AXL_ISA_SCALAR);
+    CHECK_MSG(status == AXL_OK && want.bad_row == -1, "%s: status %d bad_row %lld", what, status,
+              (long long)want.bad_row);
+    CHECK_MSG(qres_guards(&want), "%s: reference wrote past a buffer", what);
+    if (opts.formulas) check_formulas(w, dt, symmetric, block, &want, what);
+    void *want_out[3], *got_out = xmalloc(n * 4 + GUARD);
+    for (int d = 0; d < 3; d++) {
+        want_out[d] = xmalloc(n * axl_dtype_size(d));
+        CHECK_EQ(run_dequantize(&want, symmetric, block, want_out[d], d, 1, AXL_ISA_SCALAR),
+                 AXL_OK);
+        if (opts.formulas) check_dequant_formula(&want, symmetric, block, d, want_out[d], what);
+    }
+    for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+        if (!isa_available(isa)) continue;
+        for (size_t t = 0; t < (opts.all_threads ? 4u : 1u); t++)
+            for (int stats = 0; stats <= 1; stats++) {
+                int nt = thread_counts[t];
+                qres got;
+                qres_init(&got, rows, cols, bits, block, scale_dtype);
+                status = run_quantize(w, dt, symmetric, block, stats, &got, nt, isa);
+                const char *diff = qres_diff(&want, &got, symmetric, stats);
+                CHECK_MSG(status == AXL_OK && got.bad_row == -1 && !*diff,
+                          "%s isa %s nthreads %d stats %d: status %d, %s differ", what,
+                          axl_isa_name(isa), nt, stats, status, diff);
+                if (!stats) /* no statistics asked: none written */
+                    CHECK(untouched(got.max_err, (size_t)rows * 4) &&
+                          untouched(got.sqnr, (size_t)rows * 4));
+                qres_free(&got);
+            }
+        for (int d = 0; d < 3; d++)
+            for (size_t t = 0; t < (opts.all_threads ? 4u : 1u); t++) {
+                size_t bytes = n * axl_dtype_size(d);
+                memset(got_out, GUARD_BYTE, bytes + GUARD);
+                status = run_dequantize(&want, symmetric, block, got_out, d, thread_counts[t], isa);
+                CHECK_MSG(status == AXL_OK && memcmp(got_out, want_out[d], bytes) == 0 &&
+                              guard_intact(got_out, bytes),
+                          "%s dequantize -> %s isa %s nthreads %d: status %d", what,
+                          dtype_names[d], axl_isa_name(isa), thread_counts[t], status);
+            }
+    }
+    for (int d = 0; d < 3; d++) free(want_out[d]);
+    free(got_out);
+    qres_free(&want);
+}
+
+/* One weight: check_format for every format, block size and scale dtype. */
 static void check_weight(const void *w, int dt, int64_t rows, int64_t cols, case_opts opts) {
     int64_t blocks[64];
     int nblocks = block_sizes(cols, blocks);
-    size_t n = (size_t)(rows * cols);
-    for (int bits = 4; bits <= 8; bits += 4)
-        for (int symmetric = 0; symmetric <= 1; symmetric++)
-            for (int bi = 0; bi < nblocks; bi++) {
-                int64_t block = blocks[bi];
-                char what[160];
-                snprintf(what, sizeof what, "%s %lldx%lld int%d %s block %lld", dtype_names[dt],
-                         (long long)rows, (long long)cols, bits, symmetric ? "sym" : "asym",
-                         (long long)block);
-                qres want;
-                qres_init(&want, rows, cols, bits, block);
-                int status = run_quantize(w, dt, symmetric, block, 1, &want, 1, AXL_ISA_SCALAR);
-                CHECK_MSG(status == AXL_OK && want.bad_row == -1, "%s: status %d bad_row %lld",
-                          what, status, (long long)want.bad_row);
-                CHECK_MSG(qres_guards(&want), "%s: reference wrote past a buffer", what);
-                if (opts.formulas) check_formulas(w, dt, symmetric, block, &want, what);
-                void *want_out[3], *got_out = xmalloc(n * 4 + GUARD);
-                for (int d = 0; d < 3; d++) {
-                    want_out[d] = xmalloc(n * axl_dtype_size(d));
-                    CHECK_EQ(axl_dequantize(want.q, want.scales, symmetric ? NULL : want.zp, rows,
-                                            cols, bits, block, want_out[d], d, 1, AXL_ISA_SCALAR),
-                             AXL_OK);
-                    if (opts.formulas) check_dequant_formula(&want, symmetric, block, d, want_out[d], what);
-                }
-                for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
-                    if (!isa_available(isa)) continue;
-                    for (size_t t = 0; t < (opts.all_threads ? 4u : 1u); t++)
-                        for (int stats = 0; stats <= 1; stats++) {
-                            int nt = thread_counts[t];
-                            qres got;
-                            qres_init(&got, rows, cols, bits, block);
-                            status = run_quantize(w, dt, symmetric, block, stats, &got, nt, isa);
-                            const char *diff = qres_diff(&want, &got, symmetric, stats);
-                            CHECK_MSG(status == AXL_OK && got.bad_row == -1 && !*diff,
-                                      "%s isa %s nthreads %d stats %d: status %d, %s differ", what,
-                                      axl_isa_name(isa), nt, stats, status, diff);
-                            if (!stats) /* no statistics asked: none written */
-                                CHECK(untouched(got.max_err, (size_t)rows * 4) &&
-                                      untouched(got.sqnr, (size_t)rows * 4));
-                            qres_free(&got);
-                        }
-                    for (int d = 0; d < 3; d++)
-                        for (size_t t = 0; t < (opts.all_threads ? 4u : 1u); t++) {
-                            size_t bytes = n * axl_dtype_size(d);
-                            memset(got_out, GUARD_BYTE, bytes + GUARD);
-                            status = axl_dequantize(want.q, want.scales, symmetric ? NULL : want.zp,
-                                                    rows, cols, bits, block, got_out, d,
-                                                    thread_counts[t], isa);
-                            CHECK_MSG(status == AXL_OK && memcmp(got_out, want_out[d], bytes) == 0 &&
-                                          guard_intact(got_out, bytes),
-                                      "%s dequantize -> %s isa %s nthreads %d: status %d", what,
-                                      dtype_names[d], axl_isa_name(isa), thread_counts[t], status);
-                        }
-                }
-                for (int d = 0; d < 3; d++) free(want_out[d]);
-                free(got_out);
-                qres_free(&want);
-            }
+    for (int sd = 0; sd < 2; sd++)
+        for (int bits = 4; bits <= 8; bits += 4)
+            for (int symmetric = 0; symmetric <= 1; symmetric++)
+                for (int bi = 0; bi < nblocks; bi++)
+                    check_format(w, dt, rows, cols, bits, symmetric, blocks[bi], scale_dtypes[sd],
+                                 opts);
 }
 
 static void test_isas_match_reference(void) {
@@ -400,19 +451,21 @@ static void test_large_outputs(void) {
         int64_t block;
     } formats[] = {{8, 1, 4096}, {4, 0, 64}, {8, 0, 128}, {4, 1, 32}};
     void *w = make_weight(AXL_BF16, rows, cols);
-    for (size_t f = 0; f < sizeof formats / sizeof *formats; f++) {
+    for (size_t fs = 0; fs < 2 * sizeof formats / sizeof *formats; fs++) {
+        const size_t f = fs / 2;
+        const int sd = scale_dtypes[fs % 2];
         int bits = formats[f].bits, symmetric = formats[f].symmetric;
         int64_t block = formats[f].block;
         CHECK(rows * q_row_bytes(cols, bits) >= AXL_STREAM_MIN_BYTES);
         qres want;
-        qres_init(&want, rows, cols, bits, block);
+        qres_init(&want, rows, cols, bits, block, sd);
         CHECK_EQ(run_quantize(w, AXL_BF16, symmetric, block, 1, &want, 1, AXL_ISA_SCALAR), AXL_OK);
         for (int isa = AXL_ISA_AVX2; isa < AXL_ISA_COUNT; isa++) {
             if (!isa_available(isa)) continue;
             for (int offset = 0; offset <= 1; offset++)
                 for (int stats = 0; stats <= 1; stats++) {
                     qres got;
-                    qres_init(&got, rows, cols, bits, block);
+                    qres_init(&got, rows, cols, bits, block, sd);
                     unsigned char *base = got.q;
                     got.q = guarded(got.q_bytes + 1); /* q at an odd address when offset 1 */
                     free(base);
@@ -421,9 +474,9 @@ static void test_large_outputs(void) {
                     int status = run_quantize(w, AXL_BF16, symmetric, block, stats, &got, 0, isa);
                     const char *diff = qres_diff(&want, &got, symmetric, stats);
                     CHECK_MSG(status == AXL_OK && !*diff,
-                              "int%d %s block %lld isa %s q offset %d stats %d: %s differ", bits,
-                              symmetric ? "sym" : "asym", (long long)block, axl_isa_name(isa),
-                              offset, stats, diff);
+                              "int%d %s block %lld %s isa %s q offset %d stats %d: %s differ",
+                              bits, symmetric ? "sym" : "asym", (long long)block, scale_name(sd),
+                              axl_isa_name(isa), offset, stats, diff);
                     got.q = base;
                     qres_free(&got);
                 }
@@ -440,16 +493,17 @@ static void test_fp_environment(void) {
     for (int a = 0; a < 3; a++) {
         int dt = float_dtypes[a];
         void *w = make_weight(dt, rows, cols);
-        for (int symmetric = 0; symmetric <= 1; symmetric++) {
+        for (int fs = 0; fs < 4; fs++) {
+            const int symmetric = fs & 1, sd = scale_dtypes[fs >> 1];
             qres want;
-            qres_init(&want, rows, cols, 8, 32);
+            qres_init(&want, rows, cols, 8, 32, sd);
             CHECK_EQ(run_quantize(w, dt, symmetric, 32, 1, &want, 1, AXL_ISA_SCALAR), AXL_OK);
             const unsigned int modes[] = {0x8040u, 0x4000u | 0x8040u, 0x2000u, 0x6000u};
             for (size_t m = 0; m < sizeof modes / sizeof *modes; m++)
                 for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
                     if (!isa_available(isa)) continue;
                     qres got;
-                    qres_init(&got, rows, cols, 8, 32);
+                    qres_init(&got, rows, cols, 8, 32, sd);
                     unsigned int csr = _mm_getcsr();
                     unsigned int set = (csr & ~0xE040u) | modes[m];
                     _mm_setcsr(set);
@@ -457,8 +511,8 @@ static void test_fp_environment(void) {
                     unsigned int after = _mm_getcsr();
                     _mm_setcsr(csr);
                     const char *diff = qres_diff(&want, &got, symmetric, 1);
-                    CHECK_MSG(status == AXL_OK && !*diff, "%s MXCSR 0x%x isa %s: %s differ",
-                              dtype_names[dt], set, axl_isa_name(isa), diff);
+                    CHECK_MSG(status == AXL_OK && !*diff, "%s %s MXCSR 0x%x isa %s: %s differ",
+                              dtype_names[dt], scale_name(sd), set, axl_isa_name(isa), diff);
                     CHECK_MSG((after & ~0x3Fu) == (set & ~0x3Fu), "MXCSR 0x%x not restored: 0x%x",
                               set, after);
                     qres_free(&got);
@@ -474,73 +528,264 @@ static void test_fp_environment(void) {
 
 typedef struct golden {
     int bits, symmetric;
-    int64_t cols, block;
+    int scale_dtypes; /* bit 0: holds with f32 scales, bit 1: with bf16 scales */
+    int64_t cols;
     float w[8];
     unsigned char q[8];
-    float scale[2];
-    int8_t zp[2];
+    float scale; /* as stored (a bf16 one widened) */
+    int8_t zp;
 } golden;
 
+enum { WITH_F32 = 1, WITH_BF16 = 2, WITH_BOTH = 3 };
+
 static const golden goldens[] = {
+    /* Scales 1 and 2 are bf16 values: the same bytes with either scale dtype. */
     /* int4 symmetric, 5 values: amax 7, scale 1; 3.5 is a tie and rounds to even 4.
      * q = 7, -7, 1, -1, 4: bytes (lo | hi << 4) 0x97, 0xF1, and 0x04 with a 0 padding nibble. */
-    {4, 1, 5, 5, {7, -7, 1, -1, 3.5f}, {0x97, 0xF1, 0x04}, {1.0f}, {0}},
+    {4, 1, WITH_BOTH, 5, {7, -7, 1, -1, 3.5f}, {0x97, 0xF1, 0x04}, 1.0f, 0},
     /* int4 asymmetric: lo -3, hi 12, scale 15/15 = 1, zp = -8 - (-3) = -5.
      * q = -8, 7, -5, rint(2.5) - 5 = -3, 7 - 5 = 2: bytes 0x78, 0xDB, 0x02. */
-    {4, 0, 5, 5, {-3, 12, 0, 2.5f, 7}, {0x78, 0xDB, 0x02}, {1.0f}, {-5}},
+    {4, 0, WITH_BOTH, 5, {-3, 12, 0, 2.5f, 7}, {0x78, 0xDB, 0x02}, 1.0f, -5},
     /* int4 symmetric, 6 values: 0.5 and -0.5 are ties to even 0; -1.5 -> -2 (even). */
-    {4, 1, 6, 6, {0.5f, -0.5f, -1.5f, 7, 2.5f, -7}, {0x00, 0x7E, 0x92}, {1.0f}, {0}},
+    {4, 1, WITH_BOTH, 6, {0.5f, -0.5f, -1.5f, 7, 2.5f, -7}, {0x00, 0x7E, 0x92}, 1.0f, 0},
     /* int8 asymmetric: lo -1, hi 254, scale 1, zp -127: -1 -> -128, 254 -> 127, 0 -> -127. */
-    {8, 0, 3, 3, {-1, 254, 0}, {0x80, 0x7F, 0x81}, {1.0f}, {-127}},
+    {8, 0, WITH_BOTH, 3, {-1, 254, 0}, {0x80, 0x7F, 0x81}, 1.0f, -127},
     /* int8 symmetric: amax 254, scale 2; 3 -> 1.5 -> 2, 5 -> 2.5 -> 2, -254 -> -127. */
-    {8, 1, 3, 3, {3, 5, -254}, {0x02, 0x02, 0x81}, {2.0f}, {0}},
+    {8, 1, WITH_BOTH, 3, {3, 5, -254}, {0x02, 0x02, 0x81}, 2.0f, 0},
+
+    /* The bf16 rounding of scales (computed by hand with numpy float32 ops):
+     * int8 symmetric, amax 100: s = 100/127 = 0x3F4992A5, whose low half 0x92A5 > 0x8000
+     * rounds up to bf16 0x3F4A = 0.7890625; inv = 1.2673268. 50 * inv = 63.37 -> 63, where
+     * the f32 scale gives 50 * 1.27 = 63.5 -> 64; -37.5 -> -47.52 -> -48. */
+    {8, 1, WITH_F32, 5, {100, -37.5f, 0.4f, 63, 50}, {0x7F, 0xD0, 0x01, 0x50, 0x40},
+     100.0f / 127.0f, 0},
+    {8, 1, WITH_BF16, 5, {100, -37.5f, 0.4f, 63, 50}, {0x7F, 0xD0, 0x01, 0x50, 0x3F},
+     0.7890625f, 0},
+    /* int8 asymmetric, lo = -255.7470703125 = -255 (1 + 3 * 2^-10), hi 0: s = 1 + 3 * 2^-10
+     * rounds DOWN to bf16 1.0 (3 * 2^-10 is below half of bf16's 2^-7), so lo * inv = -255.75
+     * -> -256, zp = -128 + 256 = 128 is clamped to 127, and lo gives -256 + 127 = -129,
+     * clamped to -128 (both clamps bind). -50.6 -> -51 + 127 = 76; -100.5 is a tie -> -100
+     * + 127 = 27. With the f32 scale: zp 127 unclamped, -50.6 * 0.99708 -> -50 -> 77. */
+    {8, 0, WITH_F32, 5, {-255.7470703125f, 0, -50.6f, -0.625f, -100.5f},
+     {0x80, 0x7F, 0x4D, 0x7E, 0x1B}, 1.0029296875f, 127},
+    {8, 0, WITH_BF16, 5, {-255.7470703125f, 0, -50.6f, -0.625f, -100.5f},
+     {0x80, 0x7F, 0x4C, 0x7E, 0x1B}, 1.0f, 127},
+    /* int8 symmetric with a subnormal bf16 scale: amax = 132 * 2^-128, s = 33.26 * 2^-133
+     * rounds to 33 * 2^-133 (bf16 bits 0x0021), so amax * inv = 132 * 32 / 33 = 128: clamped
+     * to 127, and -amax to -127. 66 * 2^-128 -> 64, -33 * 2^-128 -> -32. */
+    {8, 1, WITH_F32, 4, {0x1.08p-121f, -0x1.08p-121f, 0x1.08p-122f, -0x1.08p-123f},
+     {0x7F, 0x81, 0x40, 0xE0}, 0x1.08p-121f / 127.0f, 0},
+    {8, 1, WITH_BF16, 4, {0x1.08p-121f, -0x1.08p-121f, 0x1.08p-122f, -0x1.08p-123f},
+     {0x7F, 0x81, 0x40, 0xE0}, 0x1.08p-128f, 0},
+    /* int4 symmetric: s = 7.1 / 7 = 1.0142857 rounds up to bf16 1.015625 (0x3F82). */
+    {4, 1, WITH_BF16, 3, {7.1f, -3.3f, 1.4f}, {0xD7, 0x01}, 1.015625f, 0},
 };
 
+/* Stored integer k of a golden's q. */
+static int32_t golden_value(const golden *g, int64_t k) {
+    if (g->bits == 8) return (int8_t)g->q[k];
+    return axl_nibble_value((g->q[k / 2] >> (4 * (k & 1))) & 0xFu);
+}
+
+/* Each golden as it is (per-channel, cols elements), and padded with zeros to one block of
+ * 32 (zeros change neither amax nor lo and hi; they quantize to the zero point), which
+ * takes the AVX-512 kernel's unmasked path. With every scale dtype it holds for. */
 static void test_goldens(void) {
     for (size_t i = 0; i < sizeof goldens / sizeof *goldens; i++) {
         const golden *g = &goldens[i];
-        for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
-            if (!isa_available(isa)) continue;
-            unsigned char q[8];
-            float scale[2];
-            int8_t zp[2] = {99, 99};
-            memset(q, 0xEE, sizeof q);
-            int64_t bad = 7;
-            int status = axl_quantize(g->w, AXL_F32, 1, g->cols, g->bits, g->symmetric, g->block,
-                                      q, scale, zp, NULL, NULL, &bad, 1, isa);
-            size_t qb = (size_t)q_row_bytes(g->cols, g->bits);
-            CHECK_MSG(status == AXL_OK && bad == -1, "golden %zu isa %s: status %d", i,
-                      axl_isa_name(isa), status);
-            for (size_t b = 0; b < qb; b++)
-                CHECK_MSG(q[b] == g->q[b], "golden %zu isa %s byte %zu: 0x%02x, want 0x%02x", i,
-                          axl_isa_name(isa), b, q[b], g->q[b]);
-            CHECK_MSG(q[qb] == 0xEE, "golden %zu: wrote past the row", i);
-            CHECK_MSG(scale[0] == g->scale[0] && zp[0] == g->zp[0],
-                      "golden %zu isa %s: scale %g zp %d, want %g %d", i, axl_isa_name(isa),
-                      scale[0], zp[0], g->scale[0], g->zp[0]);
-            float back[8];
-            CHECK_EQ(axl_dequantize(q, scale, g->symmetric ? NULL : zp, 1, g->cols, g->bits,
-                                    g->block, back, AXL_F32, 1, isa),
-                     AXL_OK);
-            for (int64_t k = 0; k < g->cols; k++)
-                CHECK_MSG(fabsf(back[k] - g->w[k]) <= 0.5f * g->scale[0],
-                          "golden %zu: element %lld back %g from %g", i, (long long)k, back[k],
-                          g->w[k]);
+        for (int sd = 0; sd < 2; sd++) {
+            if (!(g->scale_dtypes & (1 << sd))) continue;
+            const int scale_dtype = scale_dtypes[sd];
+            for (int padded = 0; padded <= 1; padded++) {
+                const int64_t cols = padded ? 32 : g->cols;
+                float w[32] = {0};
+                memcpy(w, g->w, (size_t)g->cols * sizeof *w);
+                int32_t want[32];
+                for (int64_t k = 0; k < cols; k++)
+                    want[k] = k < g->cols ? golden_value(g, k) : g->zp;
+                for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+                    if (!isa_available(isa)) continue;
+                    qres r;
+                    qres_init(&r, 1, cols, g->bits, cols, scale_dtype);
+                    memset(r.zp, 99, 1);
+                    int status = run_quantize(w, AXL_F32, g->symmetric, cols, 0, &r, 1, isa);
+                    CHECK_MSG(status == AXL_OK && r.bad_row == -1,
+                              "golden %zu %s isa %s: status %d", i, scale_name(scale_dtype),
+                              axl_isa_name(isa), status);
+                    for (int64_t k = 0; k < cols; k++)
+                        CHECK_MSG(q_at(&r, 0, k) == want[k],
+                                  "golden %zu %s padded %d isa %s element %lld: %d, want %d", i,
+                                  scale_name(scale_dtype), padded, axl_isa_name(isa),
+                                  (long long)k, q_at(&r, 0, k), want[k]);
+                    if (g->bits == 4 && (cols & 1)) /* the padding nibble */
+                        CHECK_MSG(r.q[cols / 2] >> 4 == 0, "golden %zu: padding nibble", i);
+                    CHECK_MSG(qres_guards(&r), "golden %zu: wrote past a buffer", i);
+                    float got_scale = scale_at(&r, 0);
+                    int32_t got_zp = g->symmetric ? 0 : r.zp[0];
+                    CHECK_MSG(memcmp(&got_scale, &g->scale, 4) == 0 && got_zp == g->zp,
+                              "golden %zu %s isa %s: scale %a zp %d, want %a %d", i,
+                              scale_name(scale_dtype), axl_isa_name(isa), got_scale, got_zp,
+                              g->scale, g->zp);
+                    float back[32];
+                    CHECK_EQ(run_dequantize(&r, g->symmetric, cols, back, AXL_F32, 1, isa), AXL_OK);
+                    for (int64_t k = 0; k < cols; k++)
+                        CHECK_MSG(back[k] == (float)(want[k] - g->zp) * g->scale,
+                                  "golden %zu: element %lld back %g", i, (long long)k, back[k]);
+                    qres_free(&r);
+                }
+            }
         }
     }
-    /* Two blocks of 32 of int4: the nibble order holds across the block boundary. */
+    /* Two blocks of 32 of int4: the nibble order holds across the block boundary. Scales 1
+     * and 10 are bf16 values. */
     float w[64];
-    unsigned char q[32];
-    float scales[2];
     for (int k = 0; k < 64; k++) w[k] = k < 32 ? (float)(k % 15 - 7) : (float)(k % 15 - 7) * 10;
-    CHECK_EQ(axl_quantize(w, AXL_F32, 1, 64, 4, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1,
-                          AXL_ISA_AUTO),
-             AXL_OK);
-    CHECK(scales[0] == 1.0f && scales[1] == 10.0f);
-    for (int j = 0; j < 32; j++) {
-        int lo = (2 * j) % 15 - 7, hi = (2 * j + 1) % 15 - 7;
-        CHECK_MSG(q[j] == (unsigned char)((lo & 0xF) | (hi & 0xF) << 4), "byte %d: 0x%02x", j,
-                  q[j]);
+    for (int sd = 0; sd < 2; sd++) {
+        qres r;
+        qres_init(&r, 1, 64, 4, 32, scale_dtypes[sd]);
+        CHECK_EQ(run_quantize(w, AXL_F32, 1, 32, 0, &r, 1, AXL_ISA_AUTO), AXL_OK);
+        CHECK(scale_at(&r, 0) == 1.0f && scale_at(&r, 1) == 10.0f);
+        for (int j = 0; j < 32; j++) {
+            int lo = (2 * j) % 15 - 7, hi = (2 * j + 1) % 15 - 7;
+            CHECK_MSG(r.q[j] == (unsigned char)((lo & 0xF) | (hi & 0xF) << 4), "byte %d: 0x%02x",
+                      j, r.q[j]);
+        }
+        qres_free(&r);
+    }
+}
+
+/* ---- clamps that bind ------------------------------------------------------------------------
+ * A bf16 scale may round below the fp32 one, and then x * inv reaches past qmax (or, once the
+ * zero point is clamped, below qmin): the clamps that quant_avx512.c leaves out for f32
+ * scales must be there. Blocks are searched at random, by the formulas of autoxla.h written
+ * out here, for ends whose unclamped value lies outside [qmin, qmax]; every clamp that can
+ * bind must be found binding, and every ISA must still equal the reference on those blocks,
+ * in every kernel layout. The clamps that the proof in quant_avx512.c says cannot bind are
+ * checked never to bind in the same search. */
+
+enum { ABOVE = 1, BELOW = 2, ZP_CLAMPED = 4, SUBNORMAL_SCALE = 8 };
+
+/* What the unclamped values of a block with range [lo, hi] (lo <= 0 <= hi; symmetric:
+ * lo = -hi) reach: ABOVE (nearbyint(x * inv) + zp > qmax for x = hi), BELOW (< qmin for
+ * x = lo), ZP_CLAMPED, and SUBNORMAL_SCALE (a kept scale below 2^-126). 0 for a zero block. */
+static int clamp_hits(float lo, float hi, int bits, int symmetric, int scale_dtype) {
+    const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
+    const float s = symmetric ? hi / (float)qmax : (hi - lo) / (float)(qmax - qmin);
+    const float scale = scale_dtype == AXL_BF16 ? bf16_rounded(s) : s;
+    const float inv = scale > 0 ? 1.0f / scale : INFINITY;
+    if (isinf(inv)) return 0;
+    int32_t zp = 0, hits = scale < 0x1p-126f ? SUBNORMAL_SCALE : 0;
+    if (!symmetric) {
+        zp = qmin - (int32_t)nearbyintf(lo * inv);
+        if (zp > qmax) {
+            zp = qmax;
+            hits |= ZP_CLAMPED;
+        }
+    }
+    if ((int32_t)nearbyintf(hi * inv) + zp > qmax) hits |= ABOVE;
+    if ((int32_t)nearbyintf(lo * inv) + zp < qmin) hits |= BELOW;
+    return hits;
+}
+
+/* A random value of magnitude 2^e for e uniform in [e0, e1), rounded to dtype. */
+static float random_magnitude(int dtype, float e0, float e1) {
+    float x = exp2f(e0 + (e1 - e0) * rng_unit());
+    float buf[1];
+    put(buf, dtype, 0, x);
+    return get(buf, dtype, 0);
+}
+
+#define WITNESSES 6
+
+typedef struct witness_set {
+    int n;
+    float lo[WITNESSES * 4], hi[WITNESSES * 4];
+} witness_set;
+
+/* Fills a (rows, cols) weight of dtype whose row r holds, in each of its blocks of `block`,
+ * witness (r + block index) % n: its lo and hi (at elements 0, 1 and every 7th), the rest
+ * uniform in [lo, hi] (rounding to the dtype stays within: lo and hi are dtype values). */
+static void *witness_weight(const witness_set *ws, int dtype, int64_t rows, int64_t cols,
+                            int64_t block) {
+    void *w = xmalloc((size_t)(rows * cols) * axl_dtype_size(dtype));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t k = 0; k < cols; k++) {
+            int i = (int)((r + k / block) % ws->n);
+            float lo = ws->lo[i], hi = ws->hi[i], x;
+            int64_t j = k % block;
+            if (j == 0 || j % 7 == 2)
+                x = hi;
+            else if (j == 1 || j % 7 == 3)
+                x = lo;
+            else
+                x = lo + (hi - lo) * rng_unit();
+            put(w, dtype, r * cols + k, x);
+        }
+    return w;
+}
+
+static void test_clamps_bind(void) {
+    /* Kernel layouts: per-channel rows of 32 and 64 (the AVX-512 kernel's fixed block sizes),
+     * 96 (its general one), 40 (its masked kernel, AVX2's scalar tail), and blocks of 32 and
+     * 96 in rows of 192. */
+    const int64_t layouts[][2] = {{32, 32}, {64, 64}, {96, 96}, {40, 40}, {192, 32}, {192, 96}};
+    for (int a = 0; a < 3; a++) {
+        const int dt = float_dtypes[a];
+        for (int f = 0; f < 8; f++) {
+            const int bits = f & 1 ? 4 : 8, symmetric = (f >> 1) & 1, sd = scale_dtypes[f >> 2];
+            /* Search: random block ranges, sized for the clamps this format could reach. */
+            witness_set ws = {0};
+            int seen = 0, counts[16] = {0};
+            for (int t = 0; t < 40000 && ws.n < WITNESSES * 4; t++) {
+                float lo, hi;
+                if (symmetric) { /* int8 with bf16 scales binds only for subnormal scales */
+                    if (dt == AXL_F16) /* none: f16 values are far larger */
+                        hi = random_magnitude(dt, -14, 15);
+                    else
+                        hi = t % 2 ? random_magnitude(dt, -123, -117)
+                                   : random_magnitude(dt, -30, 30);
+                    lo = -hi;
+                } else {
+                    lo = t % 3 == 1 ? 0 : -random_magnitude(dt, -1, 2);
+                    hi = t % 3 == 2 ? 0 : random_magnitude(dt, -1, 2);
+                }
+                int h = clamp_hits(lo, hi, bits, symmetric, sd);
+                seen |= h & (ABOVE | BELOW | ZP_CLAMPED);
+                counts[h & 7]++;
+                /* Keep blocks on which a clamp binds, a few of each kind. */
+                if ((h & (ABOVE | BELOW)) && counts[h & 7] <= WITNESSES) {
+                    ws.lo[ws.n] = lo;
+                    ws.hi[ws.n] = hi;
+                    ws.n++;
+                }
+            }
+            /* What the proof in quant_avx512.c allows, and what must be found. */
+            int may = 0, must = 0;
+            if (sd == AXL_BF16 && bits == 8 && symmetric)
+                may = must = dt == AXL_F16 ? 0 : ABOVE | BELOW; /* f16 has no such tiny values */
+            else if (sd == AXL_BF16 && bits == 8)
+                /* With a bf16 source the zero point never clamps (for normal scales): with
+                 * lo = -m 2^e (128 <= m <= 255), s >= |lo| / 255 > (m + 1/2) 2^(e-8), so the
+                 * bf16 scale is at least (m + 1) 2^(e-8) and |lo| * inv <= 256 m / (m + 1)
+                 * <= 255. The search checks that it finds no such block. */
+                may = must = dt == AXL_BF16 ? ABOVE : ABOVE | BELOW | ZP_CLAMPED;
+            else if (!symmetric)
+                may = ABOVE, must = sd == AXL_BF16 ? ABOVE : 0; /* f32: too rare to find */
+            CHECK_MSG((seen & ~may) == 0 && (seen & must) == must,
+                      "%s int%d %s %s: clamps binding 0x%x, allowed 0x%x, required 0x%x",
+                      dtype_names[dt], bits, symmetric ? "sym" : "asym", scale_name(sd), seen,
+                      may, must);
+            if (!ws.n) continue;
+            /* Every ISA equals the reference on them, with both scale dtypes. */
+            for (size_t l = 0; l < sizeof layouts / sizeof *layouts; l++) {
+                const int64_t cols = layouts[l][0], block = layouts[l][1], rows = 2 * ws.n + 1;
+                void *w = witness_weight(&ws, dt, rows, cols, block);
+                const case_opts opts = {1, 0};
+                check_format(w, dt, rows, cols, bits, symmetric, block, AXL_F32, opts);
+                check_format(w, dt, rows, cols, bits, symmetric, block, AXL_BF16, opts);
+                free(w);
+            }
+        }
     }
 }
 
@@ -556,44 +801,56 @@ static void test_zero_and_tiny(void) {
     for (int k = 0; k < 64; k++) w[3 * 64 + k] = 1e-45f * (float)(k % 3); /* 0 and 2^-149 *k */
     for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
         if (!isa_available(isa)) continue;
-        for (int bits = 4; bits <= 8; bits += 4)
-            for (int symmetric = 0; symmetric <= 1; symmetric++) {
-                qres r;
-                qres_init(&r, rows, cols, bits, 32);
-                CHECK_EQ(run_quantize(w, AXL_F32, symmetric, 32, 1, &r, 1, isa), AXL_OK);
-                const int64_t qb = q_row_bytes(cols, bits);
-                for (int row = 0; row < 4; row++) {
-                    /* Rows 0, 1 and 3 are all zero blocks, row 2's first block is. */
-                    int64_t nonzero = 0, nq = row == 2 ? qb / 2 : qb;
-                    for (int64_t b = 0; b < nq; b++) nonzero += r.q[row * qb + b] != 0;
-                    const float *s = r.scales + row * 2;
-                    CHECK_MSG(nonzero == 0 && s[0] == 0 && !signbit(s[0]) &&
-                                  (row == 2 ? s[1] > 0 : s[1] == 0 && !signbit(s[1])),
-                              "row %d isa %s int%d sym %d: %lld non-zero bytes, scales %g %g", row,
-                              axl_isa_name(isa), bits, symmetric, (long long)nonzero, s[0], s[1]);
-                    if (!symmetric) CHECK(r.zp[row * 2] == 0 && (row == 2 || r.zp[row * 2 + 1] == 0));
-                }
-                CHECK(r.max_err[0] == 0 && r.max_err[1] == 0);
-                CHECK(isinf(r.sqnr[0]) && r.sqnr[0] > 0 && isinf(r.sqnr[1]) && r.sqnr[1] > 0);
-                /* Row 2's zero block is exact: the row's error comes from the other block. */
-                CHECK(r.max_err[2] <= 0.5f * r.scales[5] * 1.001f && r.sqnr[2] > 20);
-                /* Row 3 (0, 2^-149, 2^-148): its scales underflow, so it becomes zeros; the
-                 * error is the signal: 0 dB. */
-                CHECK_MSG(r.max_err[3] == 0x1p-148f && r.sqnr[3] == 0.0f, "row 3: %a %g",
-                          r.max_err[3], r.sqnr[3]);
-                qres_free(&r);
+        for (int f = 0; f < 8; f++) {
+            const int bits = f & 1 ? 4 : 8, symmetric = (f >> 1) & 1, sd = scale_dtypes[f >> 2];
+            qres r;
+            qres_init(&r, rows, cols, bits, 32, sd);
+            CHECK_EQ(run_quantize(w, AXL_F32, symmetric, 32, 1, &r, 1, isa), AXL_OK);
+            const int64_t qb = q_row_bytes(cols, bits);
+            for (int row = 0; row < 4; row++) {
+                /* Rows 0, 1 and 3 are all zero blocks, row 2's first block is. */
+                int64_t nonzero = 0, nq = row == 2 ? qb / 2 : qb;
+                for (int64_t b = 0; b < nq; b++) nonzero += r.q[row * qb + b] != 0;
+                const float s[2] = {scale_at(&r, row * 2), scale_at(&r, row * 2 + 1)};
+                CHECK_MSG(nonzero == 0 && s[0] == 0 && !signbit(s[0]) &&
+                              (row == 2 ? s[1] > 0 : s[1] == 0 && !signbit(s[1])),
+                          "row %d isa %s int%d sym %d %s: %lld non-zero bytes, scales %g %g",
+                          row, axl_isa_name(isa), bits, symmetric, scale_name(sd),
+                          (long long)nonzero, s[0], s[1]);
+                if (!symmetric) CHECK(r.zp[row * 2] == 0 && (row == 2 || r.zp[row * 2 + 1] == 0));
             }
+            CHECK(r.max_err[0] == 0 && r.max_err[1] == 0);
+            CHECK(isinf(r.sqnr[0]) && r.sqnr[0] > 0 && isinf(r.sqnr[1]) && r.sqnr[1] > 0);
+            /* Row 2's zero block is exact: the row's error comes from the other block. */
+            CHECK(r.max_err[2] <= 0.5f * scale_at(&r, 5) * 1.001f && r.sqnr[2] > 20);
+            /* Row 3 (0, 2^-149, 2^-148): its scales underflow, so it becomes zeros; the
+             * error is the signal: 0 dB. */
+            CHECK_MSG(r.max_err[3] == 0x1p-148f && r.sqnr[3] == 0.0f, "row 3: %a %g",
+                      r.max_err[3], r.sqnr[3]);
+            qres_free(&r);
+        }
     }
     /* signal 0 < noise cannot happen (a zero block is exact); a row of 2^-149 values with
-     * int4 symmetric: scale 2^-149 / 7 underflows to 0, the row becomes zeros, SQNR 0 dB. */
+     * int4 symmetric: scale 2^-149 / 7 underflows to 0, the row becomes zeros, SQNR 0 dB.
+     * Then int8 symmetric with amax = 127 * 2^-128 (1 + 2^-7) = 16383 * 2^-135: the f32 scale
+     * 129 * 2^-135 is kept (its reciprocal is finite), but it rounds to the bf16 2^-128, whose
+     * reciprocal 2^128 overflows: with bf16 scales the row becomes zeros. */
     float tiny[32];
-    for (int k = 0; k < 32; k++) tiny[k] = 1e-45f;
-    unsigned char q[32];
-    float scale, max_err, sqnr;
-    CHECK_EQ(axl_quantize(tiny, AXL_F32, 1, 32, 4, 1, 32, q, &scale, NULL, &max_err, &sqnr, NULL,
-                          1, AXL_ISA_AUTO),
-             AXL_OK);
-    CHECK(scale == 0 && max_err == 1e-45f && sqnr == 0.0f);
+    const float amaxes[] = {0x1p-149f, 0x1.fff8p-122f};
+    for (size_t a = 0; a < sizeof amaxes / sizeof *amaxes; a++)
+        for (int sd = 0; sd < 2; sd++) {
+            for (int k = 0; k < 32; k++) tiny[k] = amaxes[a];
+            qres r;
+            qres_init(&r, 1, 32, a == 0 ? 4 : 8, 32, scale_dtypes[sd]);
+            CHECK_EQ(run_quantize(tiny, AXL_F32, 1, 32, 1, &r, 1, AXL_ISA_AUTO), AXL_OK);
+            const float s = amaxes[a] / (r.bits == 8 ? 127.0f : 7.0f);
+            const int zeros = a == 0 || sd == 1;
+            CHECK_MSG(zeros ? scale_at(&r, 0) == 0 && r.max_err[0] == amaxes[a] && r.sqnr[0] == 0.0f
+                            : scale_at(&r, 0) == s && s > 0 && q_at(&r, 0, 0) == 127,
+                      "tiny %zu %s: scale %a, max_err %a, sqnr %g", a, scale_name(scale_dtypes[sd]),
+                      scale_at(&r, 0), r.max_err[0], r.sqnr[0]);
+            qres_free(&r);
+        }
 }
 
 /* NaN and Inf rows: AXL_ERR_NON_FINITE and the lowest such row, for every thread count,
@@ -625,15 +882,19 @@ static void test_non_finite(void) {
             for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
                 if (!isa_available(isa)) continue;
                 for (size_t t = 0; t < 4; t++)
-                    for (int f = 0; f < 4; f++) {
-                        int bits = f & 1 ? 4 : 8, symmetric = f >> 1; /* per-channel */
+                    for (int f = 0; f < 8; f++) {
+                        /* per-channel; statistics with int4 */
+                        int bits = f & 1 ? 4 : 8, symmetric = (f >> 1) & 1;
+                        int sd = scale_dtypes[f >> 2];
                         qres r;
-                        qres_init(&r, rows, cols, bits, cols);
-                        int status = run_quantize(p, dt, symmetric, cols, f & 1, &r, thread_counts[t], isa);
+                        qres_init(&r, rows, cols, bits, cols, sd);
+                        int status =
+                            run_quantize(p, dt, symmetric, cols, f & 1, &r, thread_counts[t], isa);
                         CHECK_MSG(status == AXL_ERR_NON_FINITE && r.bad_row == want_rows[c],
-                                  "%s case %zu isa %s nthreads %d int%d sym %d: status %d row %lld",
+                                  "%s case %zu isa %s nthreads %d int%d sym %d %s: status %d "
+                                  "row %lld",
                                   dtype_names[dt], c, axl_isa_name(isa), thread_counts[t], bits,
-                                  symmetric, status, (long long)r.bad_row);
+                                  symmetric, scale_name(sd), status, (long long)r.bad_row);
                         qres_free(&r);
                     }
             }
@@ -641,27 +902,33 @@ static void test_non_finite(void) {
         }
         free(w);
     }
-    /* Blocks of 32: the NaN in the second block of a row; bad_row may be NULL. */
-    float w[4 * 64] = {0};
-    w[2 * 64 + 40] = NAN;
-    unsigned char q[4 * 64];
-    float scales[8];
-    int8_t zp[8];
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 2, 0),
-             AXL_ERR_NON_FINITE);
-    /* Asymmetric range overflow: finite values whose max - min exceeds FLT_MAX. */
-    w[2 * 64 + 40] = 3e38f;
-    w[2 * 64 + 41] = -3e38f;
-    for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
-        if (!isa_available(isa)) continue;
-        int64_t bad = -7;
-        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, &bad, 1, isa),
+    for (int sd = 0; sd < 2; sd++) {
+        const int scale_dtype = scale_dtypes[sd];
+        /* Blocks of 32: the NaN in the second block of a row; bad_row may be NULL. */
+        float w[4 * 64] = {0};
+        w[2 * 64 + 40] = NAN;
+        unsigned char q[4 * 64];
+        float scales[8];
+        int8_t zp[8];
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, scale_dtype, zp, NULL, NULL,
+                              NULL, 2, 0),
                  AXL_ERR_NON_FINITE);
-        CHECK_EQ(bad, 2);
-        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, NULL, NULL, NULL, &bad, 1,
-                              isa),
-                 AXL_OK);
-        CHECK_EQ(bad, -1);
+        /* Asymmetric range overflow: finite values whose max - min exceeds FLT_MAX (checked
+         * on the f32 scale, before any rounding to bf16). */
+        w[2 * 64 + 40] = 3e38f;
+        w[2 * 64 + 41] = -3e38f;
+        for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+            if (!isa_available(isa)) continue;
+            int64_t bad = -7;
+            CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, scale_dtype, zp, NULL,
+                                  NULL, &bad, 1, isa),
+                     AXL_ERR_NON_FINITE);
+            CHECK_EQ(bad, 2);
+            CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, scale_dtype, NULL, NULL,
+                                  NULL, &bad, 1, isa),
+                     AXL_OK);
+            CHECK_EQ(bad, -1);
+        }
     }
 }
 
@@ -671,12 +938,15 @@ static void test_symmetric_zero_points(void) {
     for (int k = 0; k < 128; k++) w[k] = (float)(k - 60);
     for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
         if (!isa_available(isa)) continue;
-        int8_t q[128], zp[4];
-        float scales[4];
-        memset(zp, 0x55, sizeof zp);
-        CHECK_EQ(axl_quantize(w, AXL_F32, 2, 64, 8, 1, 32, q, scales, zp, NULL, NULL, NULL, 1, isa),
-                 AXL_OK);
-        CHECK(zp[0] == 0 && zp[1] == 0 && zp[2] == 0 && zp[3] == 0);
+        for (int sd = 0; sd < 2; sd++) {
+            int8_t q[128], zp[4];
+            float scales[4];
+            memset(zp, 0x55, sizeof zp);
+            CHECK_EQ(axl_quantize(w, AXL_F32, 2, 64, 8, 1, 32, q, scales, scale_dtypes[sd], zp,
+                                  NULL, NULL, NULL, 1, isa),
+                     AXL_OK);
+            CHECK(zp[0] == 0 && zp[1] == 0 && zp[2] == 0 && zp[3] == 0);
+        }
     }
 }
 
@@ -685,42 +955,63 @@ static void test_symmetric_zero_points(void) {
 static void test_thread_failure(void) {
     const int64_t rows = 256, cols = 2048;
     void *w = make_weight(AXL_BF16, rows, cols);
-    qres r;
-    qres_init(&r, rows, cols, 4, 64);
     float *out = xmalloc((size_t)(rows * cols) * 4);
-    for (int ok_creates = 0; ok_creates < 2; ok_creates++) {
-        axl_test_fail_thread_creates(ok_creates);
-        CHECK_EQ(run_quantize(w, AXL_BF16, 0, 64, 1, &r, 4, AXL_ISA_AUTO), AXL_ERR_RESOURCE);
-        axl_test_fail_thread_creates(ok_creates);
-        CHECK_EQ(axl_dequantize(r.q, r.scales, r.zp, rows, cols, 4, 64, out, AXL_F32, 4, 0),
-                 AXL_ERR_RESOURCE);
+    for (int sd = 0; sd < 2; sd++) {
+        qres r;
+        qres_init(&r, rows, cols, 4, 64, scale_dtypes[sd]);
+        for (int ok_creates = 0; ok_creates < 2; ok_creates++) {
+            axl_test_fail_thread_creates(ok_creates);
+            CHECK_EQ(run_quantize(w, AXL_BF16, 0, 64, 1, &r, 4, AXL_ISA_AUTO), AXL_ERR_RESOURCE);
+            axl_test_fail_thread_creates(ok_creates);
+            CHECK_EQ(run_dequantize(&r, 0, 64, out, AXL_F32, 4, AXL_ISA_AUTO), AXL_ERR_RESOURCE);
+        }
+        axl_test_fail_thread_creates(-1);
+        CHECK_EQ(run_quantize(w, AXL_BF16, 0, 64, 1, &r, 4, AXL_ISA_AUTO), AXL_OK);
+        CHECK_EQ(run_dequantize(&r, 0, 64, out, AXL_F32, 4, AXL_ISA_AUTO), AXL_OK);
+        qres_free(&r);
     }
-    axl_test_fail_thread_creates(-1);
-    CHECK_EQ(run_quantize(w, AXL_BF16, 0, 64, 1, &r, 4, AXL_ISA_AUTO), AXL_OK);
-    CHECK_EQ(axl_dequantize(r.q, r.scales, r.zp, rows, cols, 4, 64, out, AXL_F32, 4, 0), AXL_OK);
-    qres_free(&r);
     free(out);
     free(w);
 }
 
 /* ---- bad arguments ------------------------------------------------------------------------- */
 
-static void test_bad_arguments(void) {
+static void test_bad_arguments(int sd) {
     _Alignas(64) float w[4 * 64] = {0}, scales[16], stats[8], out[4 * 64];
     _Alignas(64) int8_t q[4 * 64], zp[16];
     _Alignas(8) int64_t bad_row[2];
     char *wb = (char *)w, *sb = (char *)scales, *ob = (char *)out, *eb = (char *)stats;
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, stats, stats + 4, bad_row, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, sd, zp, stats, stats + 4, bad_row,
+                          1, 0),
              AXL_OK);
     CHECK_EQ(bad_row[0], -1);
-    CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0), AXL_OK);
+    CHECK_EQ(axl_dequantize(q, scales, sd, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0), AXL_OK);
 
     /* dtypes */
     const int bad_dtypes[] = {-1, AXL_I8, AXL_U8, AXL_DTYPE_COUNT, 99};
     for (size_t i = 0; i < sizeof bad_dtypes / sizeof *bad_dtypes; i++) {
-        CHECK_EQ(axl_quantize(w, bad_dtypes[i], 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+        CHECK_EQ(axl_quantize(w, bad_dtypes[i], 4, 64, 8, 0, 32, q, scales, sd, zp, NULL, NULL,
+                              NULL, 1, 0),
                  AXL_ERR_BAD_DTYPE);
-        CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, bad_dtypes[i], 1, 0),
+        CHECK_EQ(axl_dequantize(q, scales, sd, zp, 4, 64, 8, 32, out, bad_dtypes[i], 1, 0),
+                 AXL_ERR_BAD_DTYPE);
+    }
+    /* scale dtypes: f32 or bf16 only; checked with the other dtypes, before anything else */
+    const int bad_scale_dtypes[] = {-1, AXL_F16, AXL_I8, AXL_U8, AXL_DTYPE_COUNT, 99};
+    for (size_t i = 0; i < sizeof bad_scale_dtypes / sizeof *bad_scale_dtypes; i++) {
+        const int bsd = bad_scale_dtypes[i];
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, bsd, zp, NULL, NULL, NULL, 1,
+                              0),
+                 AXL_ERR_BAD_DTYPE);
+        CHECK_EQ(axl_dequantize(q, scales, bsd, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0),
+                 AXL_ERR_BAD_DTYPE);
+        CHECK_EQ(axl_quantize(NULL, AXL_F32, -1, 64, 3, 0, 32, NULL, NULL, bsd, NULL, NULL, NULL,
+                              NULL, 1, 0),
+                 AXL_ERR_BAD_DTYPE);
+        CHECK_EQ(axl_quantize(NULL, AXL_F32, 0, 0, 8, 0, 0, NULL, NULL, bsd, NULL, NULL, NULL, NULL,
+                              1, 0),
+                 AXL_ERR_BAD_DTYPE); /* also for an empty matrix */
+        CHECK_EQ(axl_dequantize(NULL, NULL, bsd, NULL, 0, 0, 8, 0, NULL, AXL_F32, 1, 0),
                  AXL_ERR_BAD_DTYPE);
     }
     /* sizes */
@@ -728,149 +1019,188 @@ static void test_bad_arguments(void) {
                                     {(int64_t)1 << 40, (int64_t)1 << 40}};
     for (size_t i = 0; i < sizeof bad_sizes / sizeof *bad_sizes; i++) {
         int64_t r = bad_sizes[i][0], c = bad_sizes[i][1];
-        CHECK_EQ(axl_quantize(w, AXL_F32, r, c, 8, 1, c, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+        CHECK_EQ(axl_quantize(w, AXL_F32, r, c, 8, 1, c, q, scales, sd, NULL, NULL, NULL, NULL, 1,
+                              0),
                  AXL_ERR_BAD_SIZE);
-        CHECK_EQ(axl_dequantize(q, scales, NULL, r, c, 8, c, out, AXL_F32, 1, 0), AXL_ERR_BAD_SIZE);
+        CHECK_EQ(axl_dequantize(q, scales, sd, NULL, r, c, 8, c, out, AXL_F32, 1, 0),
+                 AXL_ERR_BAD_SIZE);
     }
     /* formats */
     const int bad_bits[] = {0, 1, 2, 3, 5, 7, 16, -8};
     for (size_t i = 0; i < sizeof bad_bits / sizeof *bad_bits; i++) {
-        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, bad_bits[i], 1, 32, q, scales, NULL, NULL, NULL, NULL, 1,
-                       0),
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, bad_bits[i], 1, 32, q, scales, sd, NULL, NULL,
+                              NULL, NULL, 1, 0),
                  AXL_ERR_BAD_FORMAT);
-        CHECK_EQ(axl_dequantize(q, scales, NULL, 4, 64, bad_bits[i], 32, out, AXL_F32, 1, 0),
+        CHECK_EQ(axl_dequantize(q, scales, sd, NULL, 4, 64, bad_bits[i], 32, out, AXL_F32, 1, 0),
                  AXL_ERR_BAD_FORMAT);
     }
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 2, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 2, 32, q, scales, sd, zp, NULL, NULL, NULL, 1, 0),
              AXL_ERR_BAD_FORMAT);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, -1, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, -1, 32, q, scales, sd, zp, NULL, NULL, NULL, 1, 0),
              AXL_ERR_BAD_FORMAT);
     /* block sizes: cols or a multiple of 32 dividing cols */
     const int64_t bad_blocks[][2] = {{64, 16}, {64, 48}, {64, 0}, {64, -32}, {64, 128}, {96, 64},
                                      {100, 50}, {100, 32}, {7, 1}, {7, 14}, {64, -1}};
     for (size_t i = 0; i < sizeof bad_blocks / sizeof *bad_blocks; i++) {
         int64_t c = bad_blocks[i][0], b = bad_blocks[i][1];
-        CHECK_MSG(axl_quantize(w, AXL_F32, 2, c, 8, 1, b, q, scales, NULL, NULL, NULL, NULL, 1, 0) ==
+        CHECK_MSG(axl_quantize(w, AXL_F32, 2, c, 8, 1, b, q, scales, sd, NULL, NULL, NULL, NULL, 1,
+                               0) == AXL_ERR_BAD_SIZE,
+                  "cols %lld block %lld", (long long)c, (long long)b);
+        CHECK_MSG(axl_dequantize(q, scales, sd, NULL, 2, c, 8, b, out, AXL_F32, 1, 0) ==
                       AXL_ERR_BAD_SIZE,
                   "cols %lld block %lld", (long long)c, (long long)b);
-        CHECK_MSG(axl_dequantize(q, scales, NULL, 2, c, 8, b, out, AXL_F32, 1, 0) == AXL_ERR_BAD_SIZE,
-                  "cols %lld block %lld", (long long)c, (long long)b);
     }
-    CHECK_EQ(axl_quantize(w, AXL_F32, 1, 96, 8, 1, 96, q, scales, NULL, NULL, NULL, NULL, 1, 0), AXL_OK);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 96, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0), AXL_OK);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 3, 77, 4, 0, 77, q, scales, zp, NULL, NULL, NULL, 1, 0), AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 1, 96, 8, 1, 96, q, scales, sd, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 96, 8, 1, 32, q, scales, sd, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 3, 77, 4, 0, 77, q, scales, sd, zp, NULL, NULL, NULL, 1, 0),
+             AXL_OK);
     /* threads and ISAs */
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, -1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, sd, zp, NULL, NULL, NULL, -1, 0),
              AXL_ERR_BAD_THREADS);
-    CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, AXL_F32, INT32_MIN, 0),
+    CHECK_EQ(axl_dequantize(q, scales, sd, zp, 4, 64, 8, 32, out, AXL_F32, INT32_MIN, 0),
              AXL_ERR_BAD_THREADS);
     const int bad_isas[] = {-1, AXL_ISA_COUNT, 99};
     for (size_t i = 0; i < sizeof bad_isas / sizeof *bad_isas; i++) {
-        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 1, bad_isas[i]),
+        CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, sd, zp, NULL, NULL, NULL, 1,
+                              bad_isas[i]),
                  AXL_ERR_UNSUPPORTED_ISA);
-        CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, out, AXL_F32, 1, bad_isas[i]),
+        CHECK_EQ(axl_dequantize(q, scales, sd, zp, 4, 64, 8, 32, out, AXL_F32, 1, bad_isas[i]),
                  AXL_ERR_UNSUPPORTED_ISA);
     }
     for (int isa = AXL_ISA_AVX2; isa < AXL_ISA_COUNT; isa++)
         if (!isa_available(isa))
-            CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, isa),
+            CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, sd, NULL, NULL, NULL,
+                                  NULL, 1, isa),
                      AXL_ERR_UNSUPPORTED_ISA);
 
     /* NULL pointers: allowed only for empty matrices */
-    CHECK_EQ(axl_quantize(NULL, AXL_F32, 4, 64, 8, 0, 32, q, scales, zp, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(NULL, AXL_F32, 4, 64, 8, 0, 32, q, scales, sd, zp, NULL, NULL, NULL, 1,
+                          0),
              AXL_ERR_NULL_POINTER);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, NULL, scales, zp, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, NULL, scales, sd, zp, NULL, NULL, NULL, 1,
+                          0),
              AXL_ERR_NULL_POINTER);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, NULL, zp, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, NULL, sd, zp, NULL, NULL, NULL, 1, 0),
              AXL_ERR_NULL_POINTER);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, sd, NULL, NULL, NULL, NULL, 1, 0),
              AXL_ERR_NULL_POINTER); /* asymmetric needs zero points */
-    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0), AXL_OK);
-    CHECK_EQ(axl_dequantize(NULL, scales, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 1, 32, q, scales, sd, NULL, NULL, NULL, NULL, 1, 0),
+             AXL_OK);
+    CHECK_EQ(axl_dequantize(NULL, scales, sd, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0),
              AXL_ERR_NULL_POINTER);
-    CHECK_EQ(axl_dequantize(q, NULL, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0), AXL_ERR_NULL_POINTER);
-    CHECK_EQ(axl_dequantize(q, scales, zp, 4, 64, 8, 32, NULL, AXL_F32, 1, 0),
+    CHECK_EQ(axl_dequantize(q, NULL, sd, zp, 4, 64, 8, 32, out, AXL_F32, 1, 0),
+             AXL_ERR_NULL_POINTER);
+    CHECK_EQ(axl_dequantize(q, scales, sd, zp, 4, 64, 8, 32, NULL, AXL_F32, 1, 0),
              AXL_ERR_NULL_POINTER);
     bad_row[0] = 5;
-    CHECK_EQ(axl_quantize(NULL, AXL_F32, 0, 64, 8, 0, 32, NULL, NULL, NULL, NULL, NULL, bad_row, 0, 0),
+    CHECK_EQ(axl_quantize(NULL, AXL_F32, 0, 64, 8, 0, 32, NULL, NULL, sd, NULL, NULL, NULL, bad_row,
+                          0, 0),
              AXL_OK);
     CHECK_EQ(bad_row[0], -1);
-    CHECK_EQ(axl_quantize(NULL, AXL_BF16, 5, 0, 4, 0, 0, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0),
+    CHECK_EQ(axl_quantize(NULL, AXL_BF16, 5, 0, 4, 0, 0, NULL, NULL, sd, NULL, NULL, NULL, NULL, 0,
+                          0),
              AXL_OK); /* cols 0: per-channel with no blocks */
-    CHECK_EQ(axl_quantize(NULL, AXL_BF16, 5, 0, 4, 0, 64, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0),
+    CHECK_EQ(axl_quantize(NULL, AXL_BF16, 5, 0, 4, 0, 64, NULL, NULL, sd, NULL, NULL, NULL, NULL, 0,
+                          0),
              AXL_OK);
-    CHECK_EQ(axl_dequantize(NULL, NULL, NULL, 0, 64, 4, 32, NULL, AXL_F16, 0, 0), AXL_OK);
+    CHECK_EQ(axl_dequantize(NULL, NULL, sd, NULL, 0, 64, 4, 32, NULL, AXL_F16, 0, 0), AXL_OK);
 
     /* misaligned */
-    CHECK_EQ(axl_quantize(wb + 2, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(wb + 2, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, NULL, NULL,
+                          1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_quantize(wb + 1, AXL_BF16, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(wb + 1, AXL_BF16, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, NULL, NULL,
+                          1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_quantize(wb + 2, AXL_BF16, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(wb + 2, AXL_BF16, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, NULL, NULL,
+                          1, 0),
              AXL_OK);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(sb + 2), NULL, NULL, NULL, NULL, 1, 0),
+    /* scales: aligned to the size of their dtype */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, sb + 2, sd, NULL, NULL, NULL, NULL, 1, 0),
+             sd == AXL_F32 ? AXL_ERR_MISALIGNED : AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, sb + 1, sd, NULL, NULL, NULL, NULL, 1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q + 1, scales, zp + 1, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q + 1, scales, sd, zp + 1, NULL, NULL, NULL,
+                          1, 0),
              AXL_OK); /* bytes have no alignment */
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, (float *)(eb + 1), NULL, NULL, 1,
-                   0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, (float *)(eb + 1), NULL,
+                          NULL, 1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, (float *)(eb + 2), NULL, 1,
-                   0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, (float *)(eb + 2),
+                          NULL, 1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL,
-                   (int64_t *)((char *)bad_row + 4), 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, NULL,
+                          (int64_t *)((char *)bad_row + 4), 1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_dequantize(q, (float *)(sb + 1), NULL, 2, 32, 8, 32, out, AXL_F32, 1, 0),
+    CHECK_EQ(axl_dequantize(q, sb + 1, sd, NULL, 2, 32, 8, 32, out, AXL_F32, 1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, ob + 2, AXL_F32, 1, 0),
+    CHECK_EQ(axl_dequantize(q, sb + 2, sd, NULL, 2, 32, 8, 32, out, AXL_F32, 1, 0),
+             sd == AXL_F32 ? AXL_ERR_MISALIGNED : AXL_OK);
+    CHECK_EQ(axl_dequantize(q, scales, sd, NULL, 2, 32, 8, 32, ob + 2, AXL_F32, 1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, ob + 1, AXL_BF16, 1, 0),
+    CHECK_EQ(axl_dequantize(q, scales, sd, NULL, 2, 32, 8, 32, ob + 1, AXL_BF16, 1, 0),
              AXL_ERR_MISALIGNED);
-    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, ob + 2, AXL_BF16, 1, 0), AXL_OK);
+    CHECK_EQ(axl_dequantize(q, scales, sd, NULL, 2, 32, 8, 32, ob + 2, AXL_BF16, 1, 0), AXL_OK);
 
     /* overlaps: every output against w and against each other; adjacency is fine */
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, wb + 252, scales, NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, wb + 252, scales, sd, NULL, NULL, NULL, NULL,
+                          1, 0),
              AXL_ERR_OVERLAP); /* w is 256 bytes */
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, wb + 256, scales, NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, wb + 256, scales, sd, NULL, NULL, NULL, NULL,
+                          1, 0),
              AXL_OK);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, w + 10, NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, w + 10, sd, NULL, NULL, NULL, NULL, 1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 0, 32, q, scales, (int8_t *)w, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 0, 32, q, scales, sd, (int8_t *)w, NULL, NULL, NULL,
+                          1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, w, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, w, NULL, NULL, 1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, w + 63, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, w + 63, NULL, 1,
+                          0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, (int64_t *)(w + 2), 1,
-                   0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, NULL,
+                          (int64_t *)(w + 2), 1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, NULL, NULL, (int64_t *)(w + 64),
-                   1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, NULL, NULL,
+                          (int64_t *)(w + 64), 1, 0),
              AXL_OK);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(q + 60), NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(q + 60), sd, NULL, NULL, NULL,
+                          NULL, 1, 0),
              AXL_ERR_OVERLAP); /* q is 64 bytes */
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(q + 64), NULL, NULL, NULL, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, (float *)(q + 64), sd, NULL, NULL, NULL,
+                          NULL, 1, 0),
              AXL_OK);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, stats, stats + 1, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, stats, stats + 1, NULL,
+                          1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, NULL, stats, stats + 2, NULL, 1, 0),
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 1, 32, q, scales, sd, NULL, stats, stats + 2, NULL,
+                          1, 0),
              AXL_OK);
-    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 0, 32, q, scales, (int8_t *)scales + 4, NULL, NULL, NULL,
-                   1, 0),
+    /* 2 scales: 8 bytes of f32, 4 of bf16 */
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 0, 32, q, scales, sd, (int8_t *)scales + 4, NULL,
+                          NULL, NULL, 1, 0),
+             sd == AXL_F32 ? AXL_ERR_OVERLAP : AXL_OK);
+    CHECK_EQ(axl_quantize(w, AXL_F32, 2, 32, 8, 0, 32, q, scales, sd, (int8_t *)scales + 3, NULL,
+                          NULL, NULL, 1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, (float *)(q + 32), AXL_F32, 1, 0),
+    CHECK_EQ(axl_dequantize(q, scales, sd, NULL, 2, 32, 8, 32, sb + 4, AXL_F32, 1, 0),
+             sd == AXL_F32 ? AXL_ERR_OVERLAP : AXL_OK);
+    CHECK_EQ(axl_dequantize(q, scales, sd, NULL, 2, 32, 8, 32, (float *)(q + 32), AXL_F32, 1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_dequantize(q, scales, NULL, 2, 32, 8, 32, scales, AXL_F32, 1, 0),
+    CHECK_EQ(axl_dequantize(q, scales, sd, NULL, 2, 32, 8, 32, scales, AXL_F32, 1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_dequantize(q, scales, zp, 2, 32, 8, 32, (float *)zp, AXL_BF16, 1, 0),
+    CHECK_EQ(axl_dequantize(q, scales, sd, zp, 2, 32, 8, 32, (float *)zp, AXL_BF16, 1, 0),
              AXL_ERR_OVERLAP);
-    CHECK_EQ(axl_dequantize(q, (float *)q, (int8_t *)q, 2, 32, 8, 32, out, AXL_F32, 1, 0),
+    CHECK_EQ(axl_dequantize(q, (float *)q, sd, (int8_t *)q, 2, 32, 8, 32, out, AXL_F32, 1, 0),
              AXL_OK); /* inputs may share bytes: they are only read */
 }
 
 void test_quant(void) {
     test_goldens();
+    test_clamps_bind();
     test_isas_match_reference();
     test_threads();
     test_large_outputs();
@@ -879,5 +1209,6 @@ void test_quant(void) {
     test_non_finite();
     test_symmetric_zero_points();
     test_thread_failure();
-    test_bad_arguments();
+    test_bad_arguments(AXL_F32);
+    test_bad_arguments(AXL_BF16);
 }

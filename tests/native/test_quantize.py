@@ -1,14 +1,17 @@
 """AutoXLA._native.quantize / dequantize against the pure-torch reference (tests/reference_quant.py).
 
-Property tests (Hypothesis) over random shapes, odd widths included, the three source dtypes
-and every format (8/4 bits x symmetric/asymmetric x per-channel/blocks of 32..1024):
+Property tests (Hypothesis) over random shapes, odd widths included, the three source dtypes,
+every format (8/4 bits x symmetric/asymmetric x per-channel/blocks of 32..1024) and both scale
+dtypes (float32, bfloat16):
   (a) the error bound: every element within half a quantization step (plus the named
-      rounding allowances below) of its dequantized value;
+      rounding allowances below, and the range a bfloat16 scale loses) of its dequantized
+      value;
   (b) the C core equals the reference element for element (q, scale, zero point,
       dequantized values in every dtype; max_err exactly, sqnr_db to float64 rounding);
   (c) every ISA this CPU has equals the scalar one bit for bit, statistics included.
-Then the binding's error cases (each a Python exception, never a crash), NaN/Inf rows, zero
-rows, caller buffers, the caller's FP environment, and int8/uint8 through the shard functions.
+Then golden values, the binding's error cases (each a Python exception, never a crash),
+NaN/Inf rows, zero rows, caller buffers, the caller's FP environment, and int8/uint8 through the
+shard functions.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tests.reference_quant import (
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SCALE_DTYPES = [torch.float32, torch.bfloat16]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 ISAS = _native.available_isas()
 
@@ -47,8 +51,19 @@ ISAS = _native.available_isas()
 SCALE_ROUNDING = 2.0**-13
 # A product (q - zp) * scale in the subnormal range is rounded to a multiple of 2^-149.
 SUBNORMAL_SLACK = 2.0**-149
+# A bfloat16 scale rounds the float32 one s to nearest even: up, which only shrinks the step
+# relative to the range, or down, by up to 2^-8 relative (2^-6 for the smallest kept scales,
+# bfloat16 subnormals >= 2^-128 (1 + 2^-5)). Then the grid of (qmax - qmin) steps spans less
+# than the block's range and the clamps bind: an element beyond the grid's end is up to
+# LOST_RANGE = span * max(0, s - scale) further from its dequantized value, span = qmax - qmin
+# (asymmetric: the zero point anchors lo within half a step, hi may lie that far beyond the
+# top; or, when the zero point is clamped, lo beyond the bottom) or qmax (symmetric: +-amax).
+# The float32 roundings of s itself (2^-22 relative at worst, times span) stay within
+# SCALE_ROUNDING: an element whose clamp binds is at least half a step beyond the grid's end,
+# so its error never uses the half step in the bound.
 # A block whose scale underflows to 0 or whose 1/scale overflows (scale < ~2^-128) is stored
-# as zeros; its elements are below qmax * 2^-128 < 2^-120 in magnitude (asymmetric: 2^-119.9).
+# as zeros; its elements are below qmax * 2^-128 < 2^-120 in magnitude (asymmetric: 2^-119.9;
+# with a bfloat16 scale, which rounds to 2^-128 from up to 2^-128 (1 + 2^-6): 2^-119.98).
 ZERO_BLOCK_MAX = 2.0**-119
 # Rounding the float32 dequantized value y to bf16 / f16 adds half an ulp: relative 2^-8 /
 # 2^-11, and in the subnormal range an absolute half of the smallest subnormal.
@@ -80,6 +95,7 @@ class Case:
     pattern: str
     magnitude: int  # log10 of the values' scale
     seed: int
+    scale_dtype: torch.dtype = torch.float32
 
     @property
     def block(self) -> int:
@@ -105,6 +121,7 @@ def cases(draw) -> Case:
         rows=draw(st.integers(1, 12)), cols=cols, block_size=block_size, bits=bits,
         symmetric=symmetric, dtype=dtype, pattern=draw(st.sampled_from(PATTERNS)),
         magnitude=draw(st.sampled_from(magnitudes)), seed=draw(st.integers(0, 2**31 - 1)),
+        scale_dtype=draw(st.sampled_from(SCALE_DTYPES)),
     )
 
 
@@ -153,7 +170,13 @@ def assert_same(got: torch.Tensor | None, want: torch.Tensor | None, what: str) 
 
 
 def run(c: Case, w: torch.Tensor, **kw) -> _native.Quantized:
-    return _native.quantize(w, bits=c.bits, symmetric=c.symmetric, block_size=c.block_size, **kw)
+    return _native.quantize(w, bits=c.bits, symmetric=c.symmetric, block_size=c.block_size,
+                            scale_dtype=c.scale_dtype, **kw)
+
+
+def reference(c: Case, w: torch.Tensor, scale_dtype: torch.dtype | None = None):
+    return quantize_reference(w, c.bits, c.symmetric, c.block_size,
+                              c.scale_dtype if scale_dtype is None else scale_dtype)
 
 
 def dequant(c: Case, r: _native.Quantized, dtype=torch.float32, **kw) -> torch.Tensor:
@@ -170,12 +193,24 @@ def test_error_within_half_a_step(c):
     w = make_weight(c)
     r = run(c, w)
     x = w.to(torch.float64)
-    scale = r.scale.to(torch.float64).repeat_interleave(c.block, dim=1) if c.cols else x
+
+    def per_element(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float64).repeat_interleave(c.block, dim=1) if c.cols else x
+
+    scale = per_element(r.scale)
     kept = scale > 0
+    # The float32 scale before any rounding to bfloat16 (the reference with float32 scales).
+    s32 = per_element(reference(c, w, torch.float32)[1])
+    qmin, qmax = -QMAX[c.bits] - (0 if c.symmetric else 1), QMAX[c.bits]
+    span = qmax if c.symmetric else qmax - qmin
+    lost = span * (s32 - scale).clamp(min=0)  # LOST_RANGE; 0 with float32 scales
+    if c.scale_dtype == torch.float32:
+        assert torch.equal(lost, torch.zeros_like(lost))
     for dtype in DTYPES:
         y = dequant(c, r, dtype).to(torch.float64)
         rel, absolute = OUT_ROUNDING[dtype]
-        bound = scale * (0.5 + SCALE_ROUNDING) + SUBNORMAL_SLACK + y.abs() * rel + absolute
+        bound = (scale * (0.5 + SCALE_ROUNDING) + SUBNORMAL_SLACK + lost + y.abs() * rel
+                 + absolute)
         bound = torch.where(kept, bound, torch.full_like(bound, ZERO_BLOCK_MAX))
         err = (x - y).abs()
         checked = y.abs() <= 65504 if dtype == torch.float16 else torch.ones_like(kept)
@@ -199,7 +234,8 @@ def test_error_within_half_a_step(c):
 def test_equals_reference(c):
     w = make_weight(c)
     r = run(c, w, stats=True)
-    q, scale, zp = quantize_reference(w, c.bits, c.symmetric, c.block_size)
+    q, scale, zp = reference(c, w)
+    assert scale.dtype == r.scale.dtype == c.scale_dtype
     assert_same(r.q, q, f"{c} q")
     assert_same(r.scale, scale, f"{c} scale")
     assert_same(r.zero_point, zp, f"{c} zero_point")
@@ -232,27 +268,30 @@ def test_every_isa_equals_scalar(c, nthreads):
                         dequant(c, want, dtype, isa="scalar"), f"{c} isa {isa} -> {dtype}")
 
 
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("nthreads", [1, 2, 3, 0])
 @pytest.mark.parametrize("bits, symmetric, block_size", [(8, True, -1), (4, False, 64), (4, True, 32)])
-def test_threads_agree_on_large_weights(bits, symmetric, block_size, nthreads):
+def test_threads_agree_on_large_weights(bits, symmetric, block_size, nthreads, scale_dtype):
     """Large enough that the C core splits rows over threads (and streams its stores)."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(1000, 4096, generator=g).to(torch.bfloat16)
-    one = _native.quantize(w, bits=bits, symmetric=symmetric, block_size=block_size, stats=True,
-                           nthreads=1)
-    many = _native.quantize(w, bits=bits, symmetric=symmetric, block_size=block_size, stats=True,
-                            nthreads=nthreads)
+    kw = dict(bits=bits, symmetric=symmetric, block_size=block_size, stats=True,
+              scale_dtype=scale_dtype)
+    one = _native.quantize(w, nthreads=1, **kw)
+    many = _native.quantize(w, nthreads=nthreads, **kw)
     for name in _native.Quantized._fields:
         assert_same(getattr(many, name), getattr(one, name), name)
-    q, scale, zp = quantize_reference(w, bits, symmetric, block_size)
+    q, scale, zp = quantize_reference(w, bits, symmetric, block_size, scale_dtype)
     assert_same(one.q, q, "q")
     assert_same(one.scale, scale, "scale")
 
 
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("bits, block_size", sorted(MIN_SQNR_DB))
-def test_quality_on_gaussian_weights(bits, block_size):
+def test_quality_on_gaussian_weights(bits, block_size, scale_dtype):
     w = torch.randn(256, 4096, generator=torch.Generator().manual_seed(3))
-    r = _native.quantize(w, bits=bits, symmetric=True, block_size=block_size, stats=True)
+    r = _native.quantize(w, bits=bits, symmetric=True, block_size=block_size, stats=True,
+                         scale_dtype=scale_dtype)
     assert float(r.sqnr_db.min()) > MIN_SQNR_DB[(bits, block_size)], r.sqnr_db.min()
 
 
@@ -270,12 +309,51 @@ def test_int4_nibble_order_golden_bytes():
     assert unpack_int4(asym.q, 5).tolist() == [[-8, 7, -5, -3, 2]]
 
 
-def test_zero_rows_and_blocks():
+@pytest.mark.parametrize("isa", ISAS)
+def test_bfloat16_scale_golden_values(isa):
+    """The scale is rounded to bfloat16 (nearest even) first, and that rounded scale is used:
+    worked out by hand (as in csrc/tests/test_quant.c), padded to 32 columns too (the same
+    values; zeros quantize to the zero point) for the AVX-512 kernel's unmasked path."""
+    bf16 = torch.bfloat16
+    cases = [
+        # int8 symmetric: 100 / 127 = 0x3F4992A5 rounds up to 0x3F4A = 0.7890625, so 50 ->
+        # 63.37 -> 63 (the float32 scale gives 63.5 -> 64).
+        ([100.0, -37.5, 0.4, 63.0, 50.0], True, 0.7890625, 0, [127, -48, 1, 80, 63]),
+        # int8 asymmetric: lo = -255 (1 + 3 * 2^-10), hi 0: the scale 1 + 3 * 2^-10 rounds
+        # DOWN to 1.0, lo * inv = -255.75 -> -256, so zp = 128 is clamped to 127 and lo to
+        # -129 -> -128 (both clamps bind).
+        ([-255.7470703125, 0.0, -50.6, -0.625, -100.5], False, 1.0, 127,
+         [-128, 127, 76, 126, 27]),
+        # int8 symmetric, a subnormal bfloat16 scale: amax = 132 * 2^-128, scale 33 * 2^-133
+        # (bits 0x0021): amax * inv = 128, clamped to 127.
+        ([132 * 2.0**-128, -132 * 2.0**-128, 66 * 2.0**-128, -33 * 2.0**-128], True,
+         33 * 2.0**-133, 0, [127, -127, 64, -32]),
+    ]
+    for values, symmetric, scale, zp, q in cases:
+        for cols in (len(values), 32):
+            w = torch.zeros(1, cols)
+            w[0, : len(values)] = torch.tensor(values)
+            r = _native.quantize(w, bits=8, symmetric=symmetric, block_size=-1, scale_dtype=bf16,
+                                 isa=isa)
+            assert r.q.tolist() == [q + [zp] * (cols - len(values))], (values, isa)
+            assert r.scale.dtype == bf16 and r.scale.float().tolist() == [[scale]]
+            assert symmetric or r.zero_point.tolist() == [[zp]]
+            want_q, want_scale, want_zp = quantize_reference(w, 8, symmetric, -1, bf16)
+            assert_same(r.q, want_q, "q")
+            assert_same(r.scale, want_scale, "scale")
+            assert_same(r.zero_point, want_zp, "zero_point")
+    assert torch.tensor([33 * 2.0**-133]).to(bf16).view(torch.int16).item() == 0x0021
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_zero_rows_and_blocks(scale_dtype):
     w = torch.zeros(3, 128, dtype=torch.bfloat16)
     w[1, 64:] = torch.linspace(-1, 1, 64)
     for bits in (8, 4):
         for symmetric in (True, False):
-            r = _native.quantize(w, bits=bits, symmetric=symmetric, block_size=64, stats=True)
+            r = _native.quantize(w, bits=bits, symmetric=symmetric, block_size=64, stats=True,
+                                 scale_dtype=scale_dtype)
+            assert r.scale.dtype == scale_dtype
             assert not r.q[0].any() and not r.q[2].any() and not r.q[1, : r.q.shape[1] // 2].any()
             assert r.scale.tolist()[0] == [0.0, 0.0] and r.scale[1, 0] == 0 and r.scale[1, 1] > 0
             assert not torch.signbit(r.scale).any()
@@ -286,12 +364,14 @@ def test_zero_rows_and_blocks():
             assert not y[0].any() and not y[2].any()
 
 
-def test_empty_weights():
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_empty_weights(scale_dtype):
     for rows, cols in ((0, 64), (3, 0), (0, 0)):
         r = _native.quantize(torch.empty(rows, cols), bits=4, symmetric=False, block_size=-1,
-                             stats=True)
+                             stats=True, scale_dtype=scale_dtype)
         assert r.q.shape == _native.quantized_shape(rows, cols, 4) == (rows, (cols + 1) // 2)
         assert r.scale.shape == r.zero_point.shape == (rows, 1 if cols else 0)
+        assert r.scale.dtype == scale_dtype
         assert r.max_err.tolist() == [0.0] * rows and r.sqnr_db.tolist() == [math.inf] * rows
         y = _native.dequantize(r.q, r.scale, r.zero_point, bits=4, cols=cols, block_size=-1)
         assert y.shape == (rows, cols)
@@ -327,14 +407,16 @@ def test_native_error_row_defaults_to_none():
     assert info.value.row is None
 
 
-def test_out_buffers_are_filled_and_returned():
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_out_buffers_are_filled_and_returned(scale_dtype):
     w = torch.randn(6, 96, dtype=torch.float16)
-    fresh = _native.quantize(w, bits=4, symmetric=False, block_size=32, stats=True)
+    kw = dict(bits=4, symmetric=False, block_size=32, stats=True, scale_dtype=scale_dtype)
+    fresh = _native.quantize(w, **kw)
     out = _native.Quantized(
-        torch.empty(6, 48, dtype=torch.uint8), torch.empty(6, 3), torch.empty(6, 3, dtype=torch.int8),
-        torch.empty(6), torch.empty(6),
+        torch.empty(6, 48, dtype=torch.uint8), torch.empty(6, 3, dtype=scale_dtype),
+        torch.empty(6, 3, dtype=torch.int8), torch.empty(6), torch.empty(6),
     )
-    got = _native.quantize(w, bits=4, symmetric=False, block_size=32, stats=True, out=out)
+    got = _native.quantize(w, out=out, **kw)
     assert all(a is b for a, b in zip(got, out))
     for name in _native.Quantized._fields:
         assert_same(getattr(got, name), getattr(fresh, name), name)
@@ -345,15 +427,17 @@ def test_out_buffers_are_filled_and_returned():
                                         torch.bfloat16), "dequantized")
 
 
-def test_callers_flush_to_zero_changes_nothing():
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_callers_flush_to_zero_changes_nothing(scale_dtype):
     """torch.set_flush_denormal sets FTZ/DAZ on this thread; the C core runs without them."""
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 2.0**-127
-    want = _native.quantize(w, bits=8, symmetric=False, block_size=32, stats=True)
+    kw = dict(bits=8, symmetric=False, block_size=32, stats=True, scale_dtype=scale_dtype)
+    want = _native.quantize(w, **kw)
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
         for isa in ISAS:
-            got = _native.quantize(w, bits=8, symmetric=False, block_size=32, stats=True, isa=isa)
+            got = _native.quantize(w, isa=isa, **kw)
             for name in _native.Quantized._fields:
                 assert_same(getattr(got, name), getattr(want, name), f"{isa} {name}")
     finally:
@@ -429,7 +513,17 @@ BAD_CALLS = [
     ("out.q meta", _quant(out=_out(q=torch.empty(4, 64, dtype=torch.int8, device="meta"))), ValueError, "meta"),
     ("out.q strided", _quant(out=_out(q=torch.empty(64, 4, dtype=torch.int8).t())), ValueError, "contiguous"),
     ("out.scale shape", _quant(out=_out(scale=torch.empty(4, 1))), ValueError, r"out\.scale has shape"),
-    ("out.scale bf16", _quant(out=_out(scale=torch.empty(4, 2, dtype=torch.bfloat16))), ValueError, r"out\.scale has dtype"),
+    ("out.scale bf16", _quant(out=_out(scale=torch.empty(4, 2, dtype=torch.bfloat16))), ValueError, r"out\.scale has dtype torch\.bfloat16.*dtype=torch\.float32"),
+    ("out.scale f32 for bf16", _quant(scale_dtype=torch.bfloat16, out=_out()), ValueError, r"out\.scale has dtype torch\.float32.*dtype=torch\.bfloat16"),
+    ("out.scale f16 for bf16", _quant(scale_dtype=torch.bfloat16, out=_out(scale=torch.empty(4, 2, dtype=torch.float16))), ValueError, r"out\.scale has dtype torch\.float16"),
+    ("out.scale bf16 shape", _quant(scale_dtype=torch.bfloat16, out=_out(scale=torch.empty(4, 1, dtype=torch.bfloat16))), ValueError, r"out\.scale has shape"),
+    ("out.scale bf16 misaligned", _quant(scale_dtype=torch.bfloat16, out=_out(scale=torch.frombuffer(bytearray(20), dtype=torch.bfloat16, offset=1, count=8).view(4, 2))), ValueError, "aligned"),
+    ("scale_dtype float16", _quant(scale_dtype=torch.float16), ValueError, r"scale_dtype=torch\.float16 .*torch\.float32 or torch\.bfloat16"),
+    ("scale_dtype float64", _quant(scale_dtype=torch.float64), ValueError, r"scale_dtype=torch\.float64 .*torch\.float32 or torch\.bfloat16"),
+    ("scale_dtype int8", _quant(scale_dtype=torch.int8), ValueError, r"torch\.float32 or torch\.bfloat16"),
+    ("scale_dtype str", _quant(scale_dtype="bfloat16"), ValueError, r"scale_dtype='bfloat16' .*torch\.float32 or torch\.bfloat16"),
+    ("scale_dtype None", _quant(scale_dtype=None), ValueError, r"scale_dtype=None .*torch\.float32 or torch\.bfloat16"),
+    ("scale_dtype list", _quant(scale_dtype=[torch.float32]), ValueError, r"torch\.float32 or torch\.bfloat16"),
     ("out.scale grad", _quant(out=_out(scale=torch.empty(4, 2, requires_grad=True))), ValueError, "requires grad"),
     ("out.scale misaligned", _quant(out=_out(scale=torch.frombuffer(bytearray(40), dtype=torch.float32, offset=2, count=8).view(4, 2))), ValueError, "aligned"),
     ("out.zero_point None", _quant(out=_out(zero_point=None)), ValueError, r"out\.zero_point"),
@@ -449,6 +543,11 @@ BAD_CALLS = [
     ("dq bits", _dequant(bits=2), ValueError, "bits=2"),
     ("dq scale shape", _dequant(scale=Q8.scale[:2]), ValueError, r"scale has shape"),
     ("dq scale dtype", _dequant(scale=Q8.scale.double()), ValueError, "scale has dtype"),
+    ("dq scale float16", _dequant(scale=Q8.scale.half()), ValueError, r"scale has dtype torch\.float16; expected one of torch\.float32, torch\.bfloat16"),
+    ("dq scale int16", _dequant(scale=Q8.scale.to(torch.bfloat16).view(torch.int16)), ValueError, r"scale has dtype torch\.int16"),
+    ("dq scale bf16 shape", _dequant(scale=Q8.scale.to(torch.bfloat16)[:3]), ValueError, r"scale has shape"),
+    ("dq scale bf16 misaligned", _dequant(scale=torch.frombuffer(bytearray(20), dtype=torch.bfloat16, offset=1, count=8).view(4, 2)), ValueError, "aligned"),
+    ("dq out overlaps bf16 scale", _dequant(scale=_OUT_BUF.view(torch.bfloat16)[:8].view(4, 2), out=_OUT_BUF.view(4, 64)), ValueError, "shares memory with scale"),
     ("dq scale strided", _dequant(scale=torch.empty(2, 4).t()), ValueError, "contiguous"),
     ("dq zero_point dtype", _dequant(zero_point=Q8.zero_point.to(torch.uint8)), ValueError, "zero_point has dtype"),
     ("dq zero_point shape", _dequant(zero_point=Q8.zero_point[:3]), ValueError, "zero_point has shape"),
