@@ -175,3 +175,41 @@ def compile_count() -> int:
     import torch_xla.debug.metrics as met
     data = met.metric_data("CompileTime")
     return int(data[0]) if data else 0
+
+
+def on_tpu() -> bool:
+    """True when the XLA devices are TPUs (the Pallas kernels run only there)."""
+    if os.environ.get("PJRT_DEVICE", "").upper() not in ("", "TPU"):
+        return False
+    _, xr, _ = _xla()
+    return xr.device_type() == "TPU"
+
+
+def has_quantized_matmul() -> bool:
+    """Whether torch_xla (which provides torch.ops.xla.quantized_matmul) is installed; checked
+    without importing it, so that planning stays free of torch_xla."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def quantized_matmul():
+    """torch.ops.xla.quantized_matmul (registered by importing its module)."""
+    _xla()
+    import torch_xla.experimental.xla_quantized_matmul  # noqa: F401  (registers the op)
+    return torch.ops.xla.quantized_matmul
+
+
+def pallas_quantized_matmul():
+    """torch.ops.xla.quantized_matmul_int8, the Pallas TPU kernel (TPU only)."""
+    _xla()
+    import torch_xla.experimental.custom_kernel  # noqa: F401  (registers the op)
+    return torch.ops.xla.quantized_matmul_int8
+
+
+def transfers_from_device() -> int:
+    """Number of device-to-host transfers so far in this process (torch_xla's metrics)."""
+    _xla()
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("TransferFromDeviceTime")
+    return int(data[0]) if data else 0

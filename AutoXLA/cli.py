@@ -1,7 +1,10 @@
 """The `autoxla` command.
 
     autoxla plan PATH_OR_CONFIG [--strategy 2d] [--devices 8] [--dtype bf16] [--json]
+                 [--bits 8|4 [--block-size 64] [--asym] [--cpu]]
         The sharding plan of a checkpoint from its config alone: no weights, no XLA devices.
+        --bits plans quantized linears (backends chosen as on a TPU unless --cpu); a checkpoint
+        AutoXLA saved quantized shows its quantized tensors without --bits.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
         The main job end to end on the embedded tiny model: build a checkpoint, print its plan,
         load it sharded on virtual XLA:CPU devices, generate, check against plain transformers.
@@ -17,12 +20,13 @@ _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float
            "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
 
 
-def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, dtype=None):
+def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, dtype=None,
+                     quantization_config=None, on_tpu: bool = True):
     """The Plan of a causal LM checkpoint, computed from its config on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    from .modeling.pipeline import empty_model
+    from .modeling.pipeline import empty_model, quantize_on_meta
     from .sharding.mesh import mesh_shape_for, normalize_strategy
     from .sharding.plan import build_plan
 
@@ -39,11 +43,21 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
         dtype = getattr(torch, _DTYPES[dtype.lower()])
     strategy = normalize_strategy(strategy)
     r = empty_model(config, AutoModelForCausalLM, dtype if dtype is not None else "auto")
+    quantize_on_meta(r, quantization_config, on_tpu)
     return build_plan(r.model, config, mesh_shape_for(strategy, devices), strategy, r.dtype, r.tied)
 
 
 def _cmd_plan(args) -> int:
-    plan = plan_from_config(args.path, args.strategy, args.devices, args.dtype)
+    qcfg = None
+    if args.bits is not None:
+        from .quantization import QuantizationConfig
+
+        qcfg = QuantizationConfig(n_bits=args.bits, block_size=args.block_size,
+                                  symmetric=not args.asym)
+    elif args.block_size != -1 or args.asym:
+        raise ValueError("--block-size and --asym describe quantization: add --bits 8 or --bits 4")
+    plan = plan_from_config(args.path, args.strategy, args.devices, args.dtype, qcfg,
+                            on_tpu=not args.cpu)
     print(plan.to_json(indent=1) if args.json else plan)
     return 0
 
@@ -68,6 +82,10 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=8, help="number of devices (default 8)")
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--bits", type=int, default=None, help="plan int8 (8) or int4 (4) linears")
+    p.add_argument("--block-size", type=int, default=-1, help="elements per scale (-1: per channel)")
+    p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
+    p.add_argument("--cpu", action="store_true", help="choose matmul backends as off a TPU")
     p.set_defaults(func=_cmd_plan)
     d = sub.add_parser("demo", help="build, plan, load, generate and check the tiny default model")
     d.add_argument("--strategy", default="2d")

@@ -1,5 +1,6 @@
 """The main job on the embedded default model: checkpoint -> plan -> sharded load -> generate ->
-check against plain transformers. Run with `autoxla demo` (see README)."""
+check against plain transformers; then the same checkpoint quantized to int8 as it loads, with its
+logits' SQNR against the float model. Run with `autoxla demo` (see README)."""
 from __future__ import annotations
 
 import time
@@ -37,4 +38,33 @@ def run_demo(directory, strategy: str = "2d") -> bool:
     ok = torch.equal(got, expected)
     print("OK: sharded generation equals plain transformers" if ok else
           "MISMATCH: sharded generation differs from plain transformers")
+    return _quantized(path, strategy, reference, ids, mask) and ok
+
+
+# The demo's bar for int8 per-channel (the tests' too, tests/quantization): logits SQNR >= 25 dB.
+INT8_SQNR_DB = 25.0
+
+
+def _quantized(path, strategy, reference, ids, mask) -> bool:
+    import warnings
+
+    from . import backend
+    from .modeling import AutoXLAModelForCausalLM
+    from .quantization import QuantizationConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # use_pallas off a TPU: reported in the summary below
+        model = AutoXLAModelForCausalLM.from_pretrained(
+            path, sharding_strategy=strategy, do_quant=True,
+            quantization_config=QuantizationConfig(bits=8, use_pallas=True))
+    print(model.autoxla_quantization)
+    dev = backend.device()
+    with torch.no_grad():
+        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu().double()
+        ref = reference(input_ids=ids, attention_mask=mask).logits.double()
+    valid = mask.bool()
+    sqnr = float(10 * torch.log10(ref[valid].pow(2).sum() / (ref[valid] - out[valid]).pow(2).sum()))
+    ok = sqnr >= INT8_SQNR_DB
+    print(f"{'OK' if ok else 'LOW'}: int8 logits SQNR {sqnr:.1f} dB against the float model "
+          f"(goal >= {INT8_SQNR_DB:.0f} dB)")
     return ok

@@ -47,7 +47,8 @@ def check_sharding_matches_plan(model, plan, mesh):
     inner = getattr(model, "module", model)
     params = dict(_unwrapped_named_parameters(inner))
     checked = 0
-    for t in plan.parameters:
+    # Parameters, and the quantized weights, scales and zero points (buffers the plan shards).
+    for t in [t for t in plan if not t.is_buffer or t.quant]:
         p = params[t.name]
         actual = backend.sharding_spec(p)
         expected = reference_sharding_string(tuple(t.shape), t.spec, id(mesh))
@@ -69,3 +70,5 @@ def _unwrapped_named_parameters(module):
     """Parameter names as the plan states them: FSDPv2 wrappers add `_orig_module.` to the path."""
     for name, p in module.named_parameters(remove_duplicate=False):
         yield name.replace("_orig_module.", ""), p
+    for name, b in module.named_buffers(remove_duplicate=False):
+        yield name.replace("_orig_module.", ""), b

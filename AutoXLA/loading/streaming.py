@@ -15,15 +15,21 @@ from .. import _native, backend
 from .checkpoint import TensorRecord
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Quantized weights and zero points: the C core cuts them into shards as they are (no conversion).
+NATIVE_COPY_DTYPES = (torch.int8, torch.uint8)
+
+
+def _native_path(src: torch.dtype, dst: torch.dtype) -> bool:
+    return (src in NATIVE_DTYPES and dst in NATIVE_DTYPES) or (src == dst and src in NATIVE_COPY_DTYPES)
 
 
 def shard_grid_tensors(record: TensorRecord, grid: tuple[int, ...], dtype: torch.dtype,
                        nthreads: int = 0) -> list[torch.Tensor]:
     """The tensor's shards in row-major grid order, each contiguous and of ``dtype``."""
-    if record.dtype in NATIVE_DTYPES and dtype in NATIVE_DTYPES and record.shape:
+    if _native_path(record.dtype, dtype) and record.shape:
         return _native.read_shards(record.path, record.offset, record.dtype, record.shape, grid,
                                    dtype, nthreads=nthreads)
-    # Integer, bool and float64 tensors (rare, small: buffers, masks) take the torch path.
+    # Other integer, bool and float64 tensors (rare, small: buffers, masks) take the torch path.
     return split_grid(read_whole(record).to(dtype), grid)
 
 
@@ -56,7 +62,7 @@ def tensor_to_device(t: torch.Tensor, spec: tuple, mesh, dtype: torch.dtype | No
     """An in-memory host tensor (buffers, pickle weights, from_model) to a sharded XLA tensor."""
     grid = backend.shard_grid(spec, mesh)
     dtype = dtype or t.dtype
-    if t.dtype in NATIVE_DTYPES and dtype in NATIVE_DTYPES and t.dim() > 0:
+    if _native_path(t.dtype, dtype) and t.dim() > 0:
         shards = _native.scatter_shards(t.contiguous(), grid, dtype, nthreads=nthreads)
     else:
         shards = split_grid(t.to(dtype), grid)

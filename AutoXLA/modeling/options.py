@@ -10,8 +10,6 @@ from ..sharding.mesh import normalize_strategy
 
 # Keywords that belong to later features: refused loudly rather than silently ignored.
 _NOT_YET = {
-    "do_quant": "quantization (issue 3)",
-    "quantization_config": "quantization (issue 3)",
     "attention_config": "attention kernels (issue 4)",
 }
 ATTENTION_IMPLEMENTATIONS = ("eager", "xla_flash_attention", "splash_attention")
@@ -31,6 +29,8 @@ class LoadOptions:
     attn_implementation: str = "eager"
     trust_remote_code: bool = False
     use_safetensors: bool | None = None
+    do_quant: bool | None = None
+    quantization_config: Any = None     # QuantizationConfig (or its dict) once validated
     hub_kwargs: dict = field(default_factory=dict)      # revision, cache_dir, token, ...
     config_kwargs: dict = field(default_factory=dict)   # anything else: config overrides
 
@@ -73,6 +73,7 @@ class LoadOptions:
             else:
                 raise ValueError(f"dtype={self.dtype!r} is not a torch dtype; use e.g. "
                                  "torch.bfloat16, 'bfloat16' or 'auto' (the checkpoint's dtype)")
+        self._validate_quantization()
         for name in ("auto_wrap_policy", "shard_output_callable"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -80,3 +81,22 @@ class LoadOptions:
         if (self.auto_wrap_policy or self.shard_output_callable) and not self.use_fsdp_wrap:
             raise ValueError("auto_wrap_policy and shard_output_callable configure the FSDPv2 "
                              "wrapper: pass use_fsdp_wrap=True as well")
+
+    def _validate_quantization(self) -> None:
+        from ..quantization import QuantizationConfig
+
+        cfg = self.quantization_config
+        if isinstance(cfg, dict):
+            cfg = QuantizationConfig.from_dict(cfg)
+        if cfg is not None and not isinstance(cfg, QuantizationConfig):
+            raise TypeError(f"quantization_config must be an AutoXLA QuantizationConfig (or its "
+                            f"dict), got {type(cfg).__name__}; build one with "
+                            "AutoXLA.quantization.QuantizationConfig(bits=8)")
+        if self.do_quant not in (None, True, False):
+            raise TypeError(f"do_quant must be True or False, got {self.do_quant!r}")
+        if self.do_quant is False and cfg is not None:
+            raise ValueError("do_quant=False contradicts quantization_config=...: drop one of them")
+        if self.do_quant and cfg is None:
+            cfg = QuantizationConfig()   # int8 per-channel symmetric
+        self.quantization_config = cfg
+        self.do_quant = cfg is not None

@@ -41,7 +41,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             f"from_pretrained() got unexpected keyword argument(s) {sorted(unused)}: they are "
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
-            "attn_implementation) nor fields of the model's config; check the spelling")
+            "attn_implementation, do_quant, quantization_config) nor fields of the model's config; check the spelling")
     config._attn_implementation = opts.attn_implementation
     return empty_model(config, auto_class, opts.dtype, opts.trust_remote_code)
 
@@ -85,16 +85,64 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
 def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbose: bool = False) -> None:
     """Step 3: stream every tensor from the checkpoint into its sharded place on the devices."""
     state = ckpt.load_pickle_state(checkpoint.pickle_files) if checkpoint.is_pickle else None
+    sources, quantize = _sources(model, plan, checkpoint, state)
+    report = getattr(model, "autoxla_quantization", None)
+    progress = _progress(plan, verbose)
+    in_flight = 0
+    for t in plan:
+        if t.tied_to or t.derived_from in quantize:   # shared, or made with its weight below
+            continue
+        key = sources.get(t.name)
+        owner, leaf = _owner(model, t.name)
+        if t.name in quantize:
+            in_flight += _load_quantized(owner, t, plan, mesh, key, state, checkpoint, report)
+        else:
+            dtype = getattr(torch, t.dtype)
+            if key is None:   # computed buffer (or a persistent one the checkpoint lacks)
+                value = streaming.tensor_to_device(owner._buffers[leaf], t.spec, mesh, dtype)
+            elif state is not None:
+                _check_shape(t, tuple(state[key].shape), key)
+                value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype)
+            else:
+                record = checkpoint.records[key]
+                _check_shape(t, record.shape, key)
+                shards = streaming.shard_grid_tensors(record, backend.shard_grid(t.spec, mesh), dtype)
+                value = streaming.to_device(shards, t.spec, mesh, t.shape)
+                del shards
+            _assign(owner, leaf, value, t.is_buffer)
+            in_flight += t.nbytes
+        # Copies to the devices are asynchronous and keep their host shards (the tensor in its
+        # load dtype) alive: wait once _WAIT_BYTES are in flight, whichever path made them.
+        if in_flight >= _WAIT_BYTES:
+            backend.wait_for_transfers()
+            in_flight = 0
+        progress.update(1)
+    progress.close()
+    for target, source in plan_ties(plan).items():
+        owner, leaf = _owner(model, target)
+        src_owner, src_leaf = _owner(model, source)
+        setattr(owner, leaf, getattr(src_owner, src_leaf))
+    left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+            if p.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"internal error: {left[:5]} were planned but not loaded; please report")
+
+
+def _sources(model: nn.Module, plan: Plan, checkpoint, state) -> tuple[dict, set]:
+    """(plan name -> checkpoint key or None, names of weights to quantize as they load), after
+    checking that every weight the plan needs is in the checkpoint."""
     available = set(state) if state is not None else set(checkpoint.records)
     prefix = getattr(model, "base_model_prefix", "") + "."
-    sources, missing = {}, []
-    for t in plan:
-        if t.tied_to or not t.persistent:
-            continue
-        key = _checkpoint_key(t.name, available, prefix)
-        if key is None and not t.is_buffer:
-            missing.append(t.name)
-        sources[t.name] = key
+    sources = {t.name: _checkpoint_key(t.name, available, prefix)
+               for t in plan if not t.tied_to and t.persistent}
+    # A quantized weight whose checkpoint tensor is float is quantized as it streams; its scale
+    # and zero point come out of that call rather than from the checkpoint.
+    quantize = {t.name for t in plan if t.backend and sources.get(t.name)
+                and _source_dtype(sources[t.name], state, checkpoint).is_floating_point}
+    missing = [t.name for t in plan
+               if t.name in sources and sources[t.name] is None
+               and (not t.is_buffer or t.backend or t.derived_from)   # weights, plain or quantized
+               and t.derived_from not in quantize]
     if missing:
         raise ckpt.CheckpointError(
             f"{len(missing)} weight(s) of {plan.model_class} are not in {checkpoint.directory}: "
@@ -104,41 +152,36 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbos
     if unexpected:
         logger.warning("ignoring %d checkpoint tensor(s) the model does not have: %s",
                        len(unexpected), sorted(unexpected)[:5])
-    progress = _progress(plan, verbose)
-    in_flight = 0
-    for t in plan:
-        if t.tied_to:
+    return sources, quantize
+
+
+def _source_dtype(key: str, state, checkpoint) -> torch.dtype:
+    return state[key].dtype if state is not None else checkpoint.records[key].dtype
+
+
+def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, checkpoint, report) -> int:
+    """Quantize one float checkpoint weight on the host (C engine), then shard its quantized
+    tensors by their planned specs. Returns the bytes sent to the devices."""
+    from ..quantization.quantizer import quantize_tensor
+
+    if state is not None:
+        w = state.pop(key)
+    else:
+        w = streaming.read_whole(checkpoint.records[key])
+    _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+    q = quantize_tensor(w, owner.quant_format, f"{t.name} (checkpoint tensor {key!r})")
+    del w
+    prefix = t.name.rpartition(".")[0]
+    if report is not None:
+        report.record_stats(prefix, q)
+    sent = 0
+    for leaf, value in (("weight", q.q), ("weight_scale", q.scale), ("weight_zero_point", q.zero_point)):
+        if value is None:
             continue
-        key = sources.get(t.name)
-        owner, leaf = _owner(model, t.name)
-        dtype = getattr(torch, t.dtype)
-        if key is None:   # computed buffer (or a persistent one the checkpoint lacks)
-            value = streaming.tensor_to_device(owner._buffers[leaf], t.spec, mesh, dtype)
-        elif state is not None:
-            _check_shape(t, tuple(state[key].shape), key)
-            value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype)
-        else:
-            record = checkpoint.records[key]
-            _check_shape(t, record.shape, key)
-            shards = streaming.shard_grid_tensors(record, backend.shard_grid(t.spec, mesh), dtype)
-            value = streaming.to_device(shards, t.spec, mesh, t.shape)
-            del shards
-        # Copies to the devices are asynchronous and keep their host shards (the tensor in its
-        # load dtype) alive: wait once _WAIT_BYTES are in flight, whichever path made them.
-        in_flight += t.nbytes
-        if in_flight >= _WAIT_BYTES:
-            backend.wait_for_transfers()
-            in_flight = 0
-        _assign(owner, leaf, value, t.is_buffer)
-        progress.update(1)
-    progress.close()
-    for target, source in plan_ties(plan).items():
-        owner, leaf = _owner(model, target)
-        src_owner, src_leaf = _owner(model, source)
-        setattr(owner, leaf, getattr(src_owner, src_leaf))
-    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if left:
-        raise RuntimeError(f"internal error: {left[:5]} were planned but not loaded; please report")
+        entry = plan[f"{prefix}.{leaf}" if prefix else leaf]
+        owner._buffers[leaf] = streaming.tensor_to_device(value, entry.spec, mesh)
+        sent += entry.nbytes
+    return sent
 
 
 def plan_ties(plan: Plan) -> dict[str, str]:
@@ -154,11 +197,12 @@ def _checkpoint_key(name: str, available: set[str], prefix: str) -> str | None:
     return None
 
 
-def _check_shape(t, shape, key) -> None:
-    if tuple(shape) != tuple(t.shape):
+def _check_shape(t, shape, key, expected=None) -> None:
+    expected = tuple(expected or t.shape)
+    if tuple(shape) != expected:
         raise ckpt.CheckpointError(
             f"checkpoint tensor {key!r} has shape {tuple(shape)} but the model's {t.name!r} needs "
-            f"{tuple(t.shape)}: the checkpoint and its config.json disagree; re-save the checkpoint "
+            f"{expected}: the checkpoint and its config.json disagree; re-save the checkpoint "
             "or fix the config")
 
 
@@ -184,16 +228,47 @@ def _progress(plan: Plan, verbose: bool):
                 unit="tensor", disable=not verbose)
 
 
+def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool):
+    """Step 2a: swap in QuantizedLinear layers while the model is still empty, so the plan shows
+    the quantized tensors and the loader fills them (quantizing float weights as they stream).
+
+    ``requested`` is the user's QuantizationConfig or None. A checkpoint AutoXLA saved quantized
+    is loaded as such: its config.json holds the format. Returns the config used, or None.
+    """
+    from ..quantization import ModelQuantizer, QuantizationConfig
+
+    saved = getattr(resolved.config, "quantization_config", None)
+    cfg = requested
+    if saved is not None:
+        saved = saved if isinstance(saved, dict) else saved.to_dict()
+        method = saved.get("quant_method")
+        if method != "autoxla":
+            raise ValueError(f"the checkpoint is quantized with {method!r}, which AutoXLA cannot "
+                             "load; use its float checkpoint with do_quant=True instead")
+        saved = QuantizationConfig.from_dict(saved)
+        if cfg is not None and not cfg.same_weights_as(saved):
+            raise ValueError(
+                f"the checkpoint is already quantized (n_bits={saved.n_bits}, block_size="
+                f"{saved.block_size}, symmetric={saved.symmetric}) and cannot be quantized again "
+                "with a different format; load it without quantization_config, or quantize its "
+                "float checkpoint")
+        cfg = cfg or saved
+    if cfg is not None:
+        ModelQuantizer(cfg).quantize_model(resolved.model, tied=resolved.tied, on_tpu=on_tpu)
+    return cfg
+
+
 def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     """from_pretrained, top to bottom."""
     resolved = resolve(path, auto_class, opts)                                       # 1. resolve
     checkpoint = ckpt.locate(path, use_safetensors=opts.use_safetensors, **opts.hub_kwargs)
+    quantize_on_meta(resolved, opts.quantization_config, backend.on_tpu())  # 2a. quantized linears
     plan, mesh = make_plan(resolved, opts)                                           # 2. plan
     if opts.verbose:
         print(plan)
     model = resolved.model
-    load(model, plan, mesh, checkpoint, opts.verbose)                                # 3. load
-    # 4. patch: eager attention only for now (attention kernels and quantized linears come later).
+    load(model, plan, mesh, checkpoint, opts.verbose)            # 3. load (+ quantize in C)
+    # 4. patch: eager attention only for now (attention kernels come with issue 4).
     model = wrapping.wrap(model, plan, mesh, opts)                                   # 5. wrap
     backend.set_global_mesh(mesh)
     return model

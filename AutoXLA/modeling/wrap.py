@@ -6,7 +6,7 @@ import functools
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backend, saving
 from ..sharding import rules
 from ..sharding.mesh import AXES, MeshShape
 
@@ -67,6 +67,7 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
     model.autoxla_plan = plan
     model.autoxla_mesh = mesh
+    saving.attach(model)
     if not opts.use_fsdp_wrap:
         if opts.gradient_checkpointing:
             for m in model.modules():
@@ -92,4 +93,5 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
                      auto_wrap_policy=policy, auto_wrapper_callable=wrapper_cls)
     wrapped.autoxla_plan = plan
     wrapped.autoxla_mesh = mesh
-    return wrapped
+    wrapped.autoxla_module = model
+    return saving.attach(wrapped)

@@ -29,6 +29,13 @@ class TensorPlan:
     is_buffer: bool = False
     tied_to: str = ""    # the tensor this one shares storage with (e.g. lm_head -> embed_tokens)
     persistent: bool = True  # False for buffers that checkpoints do not hold (rotary inv_freq)
+    # Quantized linears (quantization/linear.py): the weight entry carries the format, the matmul
+    # backend and the float shape a float checkpoint holds; its scale and zero point name the
+    # weight whose quantization produces them.
+    quant: str = ""          # e.g. "int4 block 64 asym"
+    backend: str = ""        # "pallas" | "xla_op" | "fallback"
+    source_shape: tuple[int, ...] = ()
+    derived_from: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -52,12 +59,17 @@ class Plan:
     dtype: str
     tensors: list[TensorPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    quantization: dict | None = None   # QuantizationConfig.to_dict() when quantized
 
     def __getitem__(self, name: str) -> TensorPlan:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(f"{name!r} is not in the plan of {self.model_class}")
+        # The loader looks up every quantized tensor: index once (plans are built, then only read;
+        # the length check covers a tensor appended afterwards).
+        index = self.__dict__.get("_index")
+        if index is None or len(index) != len(self.tensors):
+            index = self.__dict__["_index"] = {t.name: t for t in self.tensors}
+        if name not in index:
+            raise KeyError(f"{name!r} is not in the plan of {self.model_class}")
+        return index[name]
 
     def __iter__(self):
         return iter(self.tensors)
@@ -93,6 +105,8 @@ class Plan:
         rows = [("tensor", "role", "shape", "dtype", "spec", "shard", "MiB/dev", "note")]
         for t in self.tensors:
             note = t.reason or (f"tied to {t.tied_to}" if t.tied_to else "")
+            if t.backend:
+                note = (note + "; " if note else "") + f"{t.quant} via {t.backend}"
             if t.is_buffer and not t.persistent:
                 note = (note + "; " if note else "") + "computed, not loaded"
             rows.append((t.name, t.role, _dims(t.shape), t.dtype, t.spec_str, _dims(t.shard_shape),
@@ -110,6 +124,9 @@ class Plan:
             f"total {total / 2**20:.2f} MiB in {len(self.parameters)} parameters; per device "
             f"{per_dev / 2**20:.2f} MiB ({per_dev / max(total, 1):.1%} of the model); "
             f"{n_rep} tensor(s) replicated for divisibility")
+        n_quant = sum(1 for t in self.tensors if t.backend)
+        if n_quant:
+            lines.append(f"{n_quant} linear(s) quantized; their scales and zero points included above")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -150,23 +167,41 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
         floating = tensor.is_floating_point() and not is_buffer
         tdtype = dtype if (dtype is not None and floating) else tensor.dtype
         entries[name] = _entry(name, rule.role, shape, dtype_name(tdtype), spec, mesh,
-                               "; ".join(reasons), is_buffer, persistent=name in persistent or not is_buffer)
+                               "; ".join(reasons), is_buffer, persistent=name in persistent or not is_buffer,
+                               **_quant_fields(name, owner))
     for target, source in tied.items():
         if target in entries and source in entries:
             src = entries[source]
             t = entries[target]
             entries[target] = _entry(target, t.role, t.shape, src.dtype, src.spec, mesh, src.reason,
                                      t.is_buffer, tied_to=source)
+    report = getattr(model, "autoxla_quantization", None)   # set by ModelQuantizer
     return Plan(model_class=type(model).__name__, strategy=strategy, mesh=mesh,
                 dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
-                tensors=list(entries.values()))
+                tensors=list(entries.values()),
+                notes=list(report.warnings) if report is not None else [],
+                quantization=report.config.to_dict() if report is not None else None)
 
 
-def _entry(name, role, shape, dtype, spec, mesh, reason, is_buffer, tied_to="", persistent=True):
+def _entry(name, role, shape, dtype, spec, mesh, reason, is_buffer, tied_to="", persistent=True,
+           **quant):
     shard = tuple(s // mesh.size(a) for s, a in zip(shape, spec))
     return TensorPlan(name=name, role=role, shape=shape, dtype=dtype, spec=spec, shard_shape=shard,
                       bytes_per_device=_nbytes(shard, dtype), reason=reason, is_buffer=is_buffer,
-                      tied_to=tied_to, persistent=persistent)
+                      tied_to=tied_to, persistent=persistent, **quant)
+
+
+def _quant_fields(name: str, owner: nn.Module) -> dict:
+    fmt = getattr(owner, "quant_format", None)
+    prefix, _, leaf = name.rpartition(".")
+    if fmt is None:
+        return {}
+    if leaf == "weight":
+        return dict(quant=fmt.label, backend=owner.backend,
+                    source_shape=(fmt.out_features, fmt.in_features))
+    if leaf in rules.QUANT_SIDECARS:
+        return dict(quant=fmt.label, derived_from=f"{prefix}.weight" if prefix else "weight")
+    return {}
 
 
 def _persistent_buffer_names(model: nn.Module) -> set[str]:

@@ -35,6 +35,9 @@ _HEAD_FIELDS = {
 COLUMN, ROW, LINEAR = "column_linear", "row_linear", "linear"
 EMBEDDING, LM_HEAD, NORM, BIAS = "vocab_embedding", "lm_head", "norm", "bias"
 CONV, BUFFER, OTHER = "conv", "buffer", "other"
+SCALE = "quant_scale"
+# Buffers of a quantized linear that sit beside its weight (quantization/linear.py).
+QUANT_SIDECARS = frozenset({"weight_scale", "weight_zero_point"})
 
 
 @dataclass(frozen=True)
@@ -52,24 +55,16 @@ def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embeddin
     leaf = name.rsplit(".", 1)[-1]
     mod_name = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     rank = tensor.dim()
-    if is_buffer:
+    quantized = getattr(module, "quant_format", None) is not None
+    if is_buffer and not quantized:
         return Rule(BUFFER, (None,) * rank)
     if isinstance(module, nn.Embedding) and leaf == "weight":
         return Rule(EMBEDDING, ("fsdp", "model"))
-    if isinstance(module, nn.Linear):
-        if module is output_embedding:
-            return Rule(LM_HEAD, ("model", "fsdp") if leaf == "weight" else ("model",))
-        heads = _head_count(mod_name, config)
-        if mod_name in COLUMN_NAMES:
-            if leaf == "weight":
-                return Rule(COLUMN, ("model", "fsdp"), (0, heads) if heads else None)
-            return Rule(BIAS, ("model",), (0, heads) if heads else None)
-        if mod_name in ROW_NAMES:
-            if leaf == "weight":
-                return Rule(ROW, ("fsdp", "model"), (1, heads) if heads else None)
-            return Rule(BIAS, ("fsdp",))
-        # An unrecognised linear gets plain FSDP on its output dim: always correct, never clever.
-        return Rule(LINEAR, ("fsdp", None) if leaf == "weight" else ("fsdp",))
+    if isinstance(module, nn.Linear) or quantized:
+        if leaf in QUANT_SIDECARS:
+            return _sidecar_rule(_linear_rule("weight", mod_name, module is output_embedding, config),
+                                 module.quant_format.groups)
+        return _linear_rule(leaf, mod_name, module is output_embedding, config)
     if isinstance(module, nn.modules.conv._ConvNd) and leaf == "weight":
         return Rule(CONV, ("fsdp",) + (None,) * (rank - 1))
     if rank == 1 and ("norm" in type(module).__name__.lower() or "norm" in mod_name.lower()
@@ -81,6 +76,31 @@ def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embeddin
     spec = [None] * rank
     spec[max(range(rank), key=lambda d: tensor.shape[d])] = "fsdp"
     return Rule(OTHER, tuple(spec))
+
+
+def _linear_rule(leaf: str, mod_name: str, is_head: bool, config) -> Rule:
+    """A linear's weight (out, in) or bias (out,); a quantized weight (int8 or packed int4, same
+    dims) takes the same spec as the float one it replaces (DESIGN.md section 3)."""
+    if is_head:
+        return Rule(LM_HEAD, ("model", "fsdp") if leaf == "weight" else ("model",))
+    heads = _head_count(mod_name, config)
+    if mod_name in COLUMN_NAMES:
+        if leaf == "weight":
+            return Rule(COLUMN, ("model", "fsdp"), (0, heads) if heads else None)
+        return Rule(BIAS, ("model",), (0, heads) if heads else None)
+    if mod_name in ROW_NAMES:
+        if leaf == "weight":
+            return Rule(ROW, ("fsdp", "model"), (1, heads) if heads else None)
+        return Rule(BIAS, ("fsdp",))
+    # An unrecognised linear gets plain FSDP on its output dim: always correct, never clever.
+    return Rule(LINEAR, ("fsdp", None) if leaf == "weight" else ("fsdp",))
+
+
+def _sidecar_rule(weight: Rule, groups: int) -> Rule:
+    """Scales and zero points (out, groups) follow the weight's output split, and its input split
+    when there is more than one group (blockwise)."""
+    heads = weight.heads if weight.heads and weight.heads[0] == 0 else None
+    return Rule(SCALE, (weight.spec[0], weight.spec[1] if groups > 1 else None), heads)
 
 
 def _head_count(mod_name: str, config) -> int | None:

@@ -130,8 +130,6 @@ def test_typo_in_a_keyword(checkpoints):
 
 
 @pytest.mark.parametrize("kwargs,feature", [
-    (dict(do_quant=True), "quantization"),
-    (dict(quantization_config=object()), "quantization"),
     (dict(attn_implementation="splash_attention"), "attention kernels"),
     (dict(attn_implementation="xla_flash_attention"), "attention kernels"),
     (dict(attention_config={"sa_block_q": 512}), "attention kernels"),

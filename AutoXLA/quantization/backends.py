@@ -1,0 +1,118 @@
+"""The three matmul backends of QuantizedLinear and the one rule that picks among them.
+
+In the seed's order of preference:
+  pallas    torch_xla's Pallas TPU kernel (torch.ops.xla.quantized_matmul_int8): per-channel
+            symmetric int8, and int4 unpacked to int8 inside the graph; TPU only.
+  xla_op    torch.ops.xla.quantized_matmul: per-channel int8, symmetric or with a zero point.
+            Not int4 (torch_xla's int4 path copies the weight to the host on every call) and not
+            blockwise (it wants an (in/bs, bs, out) layout of its own).
+  fallback  dequantize + matmul in plain torch ops, which XLA fuses: every format.
+A layer gets the first backend whose constraints it and the device meet (or the one the config
+names, if it can run it). The choice is recorded in the plan.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import backend as xla
+from .config import LayerFormat, QuantizationConfig
+
+ORDER = ("pallas", "xla_op", "fallback")
+
+
+def _pallas_unmet(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu: bool) -> str | None:
+    if cfg.use_pallas is False:
+        return "use_pallas=False"
+    if not on_tpu:
+        return "the Pallas kernel runs only on a TPU"
+    if not fmt.symmetric:
+        return "the Pallas kernel takes no zero point"
+    if not fmt.per_channel:
+        return "the Pallas kernel is per-channel only"
+    return None
+
+
+def _xla_op_unmet(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu: bool) -> str | None:
+    if fmt.bits != 8:
+        return "torch_xla's int4 path copies the weight to the host on every call"
+    if not fmt.per_channel:
+        return "torch_xla's blockwise layout is (in/block, block, out), not ours"
+    if not xla.has_quantized_matmul():
+        return "torch_xla is not installed"
+    return None
+
+
+def _fallback_unmet(fmt, cfg, on_tpu) -> str | None:
+    return None
+
+
+_UNMET = {"pallas": _pallas_unmet, "xla_op": _xla_op_unmet, "fallback": _fallback_unmet}
+# Backends that quantize activations (dynamic, per row, int8) when asked.
+ACTIVATION_QUANT = frozenset({"pallas", "xla_op"})
+
+
+def choose(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu: bool, layer: str = "") -> tuple[str, list[str]]:
+    """(backend, why each preferred backend was passed over) for one layer."""
+    if cfg.backend != "auto":
+        unmet = _UNMET[cfg.backend](fmt, cfg, on_tpu)
+        if unmet:
+            raise ValueError(f"backend={cfg.backend!r} cannot run layer {layer!r} ({fmt.label}): "
+                             f"{unmet}. Use backend='auto' to pick the best one that can")
+        return cfg.backend, []
+    skipped = []
+    for name in ORDER:
+        unmet = _UNMET[name](fmt, cfg, on_tpu)
+        if unmet is None:
+            return name, skipped
+        skipped.append(f"{name}: {unmet}")
+    raise AssertionError("the fallback backend runs every format")
+
+
+def _add_bias(out: torch.Tensor, layer) -> torch.Tensor:
+    return out if layer.bias is None else out + layer.bias
+
+
+def pallas_arguments(layer, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The arguments of torch.ops.xla.quantized_matmul_int8 for ``layer`` on input ``x``.
+
+    The kernel takes a 2-D x, an int8 (out, in) weight and a (out,) scale; int4 is unpacked to
+    int8 values in [-8, 7] inside the graph. Split out so that tests check it without a TPU.
+    """
+    from .linear import integer_weight
+
+    w = integer_weight(layer.weight, layer.fmt).to(torch.int8)
+    x2 = x.reshape(-1, x.shape[-1])
+    scale = layer.weight_scale.reshape(-1).to(torch.float32)
+    return (x2, w, scale), {"quantize_activation": layer.quantize_activation}
+
+
+def _pallas_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    args, kwargs = pallas_arguments(layer, x)
+    out = xla.pallas_quantized_matmul()(*args, **kwargs)
+    return _add_bias(out.reshape(*x.shape[:-1], layer.out_features).to(x.dtype), layer)
+
+
+def xla_op_arguments(layer, x: torch.Tensor) -> tuple[tuple, dict]:
+    """Arguments of torch.ops.xla.quantized_matmul: its zero point is pre-multiplied by the scale
+    (it computes x @ (q * s)^T - x @ zp)."""
+    scale = layer.weight_scale.reshape(-1).to(torch.float32)
+    zp = None
+    if layer.weight_zero_point is not None:
+        zp = layer.weight_zero_point.reshape(-1).to(torch.float32) * scale
+    return (x, layer.weight, scale), {"zero_point": zp,
+                                      "quantize_activation": layer.quantize_activation}
+
+
+def _xla_op_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    args, kwargs = xla_op_arguments(layer, x)
+    out = xla.quantized_matmul()(*args, **kwargs)
+    return _add_bias(out.to(x.dtype), layer)
+
+
+def _fallback_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.dequantized_weight(x.dtype), layer.bias)
+
+
+# The forward of each backend: (QuantizedLinear, x) -> y.
+FORWARD = {"pallas": _pallas_forward, "xla_op": _xla_op_forward, "fallback": _fallback_forward}

@@ -1,0 +1,108 @@
+"""QuantizedLinear: an nn.Linear whose weight is stored quantized on its device.
+
+Stored tensors (persistent buffers, so state_dict and save_pretrained carry them):
+  weight             int8 (out, in), or uint8 (out, ceil(in/2)) for int4: two values per byte,
+                     element 2j of a row in the low nibble, 2j+1 in the high nibble, each a 4-bit
+                     two's complement value (the C core's layout, csrc/include/autoxla.h)
+  weight_scale       bfloat16 (out, groups): one scale per block_size inputs (SCALE_DTYPE)
+  weight_zero_point  int8 (out, groups), asymmetric formats only
+  bias               the float bias, a trainable Parameter, never quantized
+Dequantized value: (q - zero_point) * scale. int4 stays packed on the device and is unpacked inside
+the compiled graph with integer ops, so it never costs more than half a byte per weight at rest.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import LayerFormat
+
+# Scales are stored in bfloat16: the C engine rounds each fp32 scale to bf16 and computes the
+# quantized values from the rounded scale, so the error bound is unchanged, and a small layer's
+# scales cost half of what fp32 would (docs/quantization.md).
+SCALE_DTYPE = torch.bfloat16
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, fmt: LayerFormat, bias: bool, backend: str, quantize_activation: bool = False,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.fmt = fmt
+        self.in_features, self.out_features = fmt.in_features, fmt.out_features
+        self.backend = backend
+        self.quantize_activation = quantize_activation
+        qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
+        self.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=qdtype, device=device))
+        self.register_buffer("weight_scale", torch.zeros(fmt.scale_shape, dtype=SCALE_DTYPE,
+                                                         device=device))
+        if not fmt.symmetric:
+            self.register_buffer("weight_zero_point", torch.zeros(fmt.scale_shape, dtype=torch.int8,
+                                                                  device=device))
+        else:
+            self.weight_zero_point = None
+        self.bias = nn.Parameter(torch.zeros(fmt.out_features, dtype=dtype, device=device)) if bias else None
+
+    # The sharding rules recognise a quantized linear by this attribute (rules.classify).
+    @property
+    def quant_format(self) -> LayerFormat:
+        return self.fmt
+
+    def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                       bias: torch.Tensor | None = None) -> None:
+        """Install quantized tensors (e.g. from the C engine) in place of the zero buffers."""
+        for name, value in (("weight", q), ("weight_scale", scale), ("weight_zero_point", zero_point)):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            if value is None or tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
+                raise ValueError(f"{name} must be {old.dtype} of shape {tuple(old.shape)} for "
+                                 f"{self.fmt.label}, got {None if value is None else (value.dtype, tuple(value.shape))}")
+            self._buffers[name] = value
+        if bias is not None:
+            self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad if self.bias is not None else True)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale, self.weight_zero_point, self.fmt, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .backends import FORWARD
+
+        return FORWARD[self.backend](self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format={self.fmt.label}, backend={self.backend}"
+                + (", W8A8" if self.quantize_activation else ""))
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """uint8 (rows, ceil(cols/2)) two's complement nibbles -> int32 (rows, cols) in [-8, 7].
+
+    Integer ops only (and, shift, xor, subtract), which XLA fuses into the consumer; the shard
+    layout survives because each byte expands in place (stack on a new last dim, then flatten).
+    """
+    v = packed.to(torch.int32)
+    low = ((v & 15) ^ 8) - 8
+    high = ((v >> 4) ^ 8) - 8
+    out = torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+    return out if out.shape[1] == cols else out[:, :cols]
+
+
+def integer_weight(q: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
+    """The stored weight as integer values (rows, in_features)."""
+    return unpack_int4(q, fmt.in_features) if fmt.bits == 4 else q
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+               fmt: LayerFormat, dtype: torch.dtype) -> torch.Tensor:
+    """(q - zero_point) * scale in float32, per group of block_size inputs, cast to ``dtype``.
+
+    The same arithmetic as the C core's dequantize (fp32, one rounding at the end).
+    """
+    w = integer_weight(q, fmt).to(torch.float32)
+    rows = fmt.out_features
+    w = w.reshape(rows, fmt.groups, fmt.block_size)
+    if zero_point is not None:
+        w = w - zero_point.to(torch.float32).unsqueeze(-1)
+    w = w * scale.to(torch.float32).unsqueeze(-1)
+    return w.reshape(rows, fmt.in_features).to(dtype)

@@ -1,0 +1,232 @@
+"""ModelQuantizer: swaps a model's nn.Linear layers for QuantizedLinear.
+
+Works on a model whose weights are on the meta device (the loader's case: the swap happens before
+any weight is read, and the loader fills the quantized buffers from the C engine as it streams),
+on the CPU, or on an XLA device (weights are quantized on the host by the C engine and put back on
+the device they came from). Biases stay in full precision.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import _native, saving
+from .backends import ACTIVATION_QUANT, choose
+from .config import LayerFormat, QuantizationConfig
+from .linear import SCALE_DTYPE, QuantizedLinear
+
+logger = logging.getLogger("AutoXLA")
+
+
+@dataclass
+class LayerDecision:
+    name: str
+    fmt: LayerFormat
+    backend: str
+    passed_over: list[str]          # why each preferred backend could not run this layer
+    activation_quant: bool          # dynamic int8 activations actually used
+    max_err: float | None = None    # error statistics of the C engine, once the weight is known
+    min_sqnr_db: float | None = None
+    median_sqnr_db: float | None = None
+
+
+@dataclass
+class QuantizationReport:
+    """What was quantized, what was skipped and why, and the model's weight bytes before/after."""
+
+    config: QuantizationConfig
+    layers: dict[str, LayerDecision] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)   # module name -> reason
+    bytes_before: int = 0
+    bytes_after: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def record_stats(self, name: str, q: "_native.Quantized") -> None:
+        d = self.layers[name]
+        if q.max_err is not None:
+            d.max_err = float(q.max_err.max()) if q.max_err.numel() else 0.0
+            sq = q.sqnr_db.double()
+            d.min_sqnr_db = float(sq.min()) if sq.numel() else math.inf
+            d.median_sqnr_db = float(sq.median()) if sq.numel() else math.inf
+
+    def __str__(self) -> str:
+        lines = [f"AutoXLA quantization: {len(self.layers)} linear(s) quantized, "
+                 f"{len(self.skipped)} kept in full precision; model weights "
+                 f"{self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB "
+                 f"({self.bytes_after / max(self.bytes_before, 1):.1%})"]
+        by_kind: dict[tuple, int] = {}
+        for d in self.layers.values():
+            key = (d.fmt.label, d.backend, d.activation_quant)
+            by_kind[key] = by_kind.get(key, 0) + 1
+        for (label, backend, act), n in sorted(by_kind.items()):
+            lines.append(f"  {n} x {label} via {backend}{' with int8 activations' if act else ''}")
+        worst = [d for d in self.layers.values() if d.min_sqnr_db is not None]
+        if worst:
+            w = min(worst, key=lambda d: d.min_sqnr_db)
+            lines.append(f"  weight SQNR: worst row {w.min_sqnr_db:.1f} dB in {w.name}")
+        for name, why in self.skipped.items():
+            lines.append(f"  kept {name}: {why}")
+        lines.extend(f"  note: {m}" for m in self.warnings)
+        return "\n".join(lines)
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def quantize_tensor(w: torch.Tensor, fmt: LayerFormat, name: str = "", stats: bool = True
+                    ) -> "_native.Quantized":
+    """One float weight (out, in) -> the C engine's quantized tensors (on the CPU)."""
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        w = w.to(torch.float32)
+    try:
+        return _native.quantize(w.contiguous(), bits=fmt.bits, symmetric=fmt.symmetric,
+                                block_size=fmt.block_size, stats=stats, scale_dtype=SCALE_DTYPE)
+    except _native.NativeError as e:
+        row = getattr(e, "row", None)
+        if row is None:
+            raise
+        raise ValueError(f"cannot quantize {name or 'a weight'}: row {row} of its weight contains "
+                         "NaN or Inf. Fix the checkpoint, or add the layer to exclude_layers to "
+                         "keep it in full precision") from e
+
+
+class ModelQuantizer:
+    """``ModelQuantizer(config).quantize_model(model) -> model`` (also ``LanguageModelQuantizer``)."""
+
+    def __init__(self, config: QuantizationConfig | None = None, **kwargs):
+        if config is None:
+            config = QuantizationConfig(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either a QuantizationConfig or its keywords, not both")
+        if not isinstance(config, QuantizationConfig):
+            raise TypeError(f"config must be a QuantizationConfig, got {type(config).__name__}; "
+                            "build one with QuantizationConfig(n_bits=8, ...)")
+        self.config = config
+
+    def plan(self, model: nn.Module, tied: dict[str, str] | None = None,
+             on_tpu: bool | None = None) -> QuantizationReport:
+        """Decide, without changing the model, which linears are quantized and how."""
+        cfg = self.config
+        if on_tpu is None:
+            on_tpu = _on_tpu(model)
+        tied_names = set(tied or {}) | set((tied or {}).values()) | _shared_parameter_names(model)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        report = QuantizationReport(cfg)
+        matched = set()
+        pallas_refused = []
+        for name, m in model.named_modules():
+            if not isinstance(m, nn.Linear):
+                continue
+            pattern = cfg.excludes(name)
+            if pattern is not None:
+                matched.add(pattern)
+                report.skipped[name] = f"excluded by exclude_layers pattern {pattern!r}"
+                continue
+            if m is head and not cfg.quantize_lm_head:
+                report.skipped[name] = "the lm head stays in full precision (quantize_lm_head=False)"
+                continue
+            if f"{name}.weight" in tied_names:
+                report.skipped[name] = "its weight is tied to another tensor (quantizing would untie it)"
+                continue
+            fmt = cfg.layer_format(name, m.in_features, m.out_features)
+            backend, passed_over = choose(fmt, cfg, on_tpu, name)
+            if cfg.use_pallas and backend != "pallas":
+                pallas_refused.append(passed_over[0] if passed_over else backend)
+            act = cfg.quantize_activation and backend in ACTIVATION_QUANT
+            report.layers[name] = LayerDecision(name, fmt, backend, passed_over, act)
+        for p in cfg.exclude_layers:
+            if p not in matched:
+                msg = (f"exclude_layers pattern {p!r} matches no linear layer of "
+                       f"{type(model).__name__}; check the module names (model.named_modules())")
+                report.warnings.append(msg)
+                warnings.warn(msg, stacklevel=3)
+        if pallas_refused:
+            msg = (f"use_pallas=True, but {len(pallas_refused)} layer(s) cannot use the Pallas kernel "
+                   f"({pallas_refused[0]}); they use the next backend instead")
+            report.warnings.append(msg)
+            warnings.warn(msg, stacklevel=3)
+        no_act = [d.name for d in report.layers.values()
+                  if cfg.quantize_activation and not d.activation_quant]
+        if no_act:
+            msg = (f"quantize_activation=True, but the {report.layers[no_act[0]].backend} backend "
+                   f"does not quantize activations: {len(no_act)} layer(s) keep float activations")
+            report.warnings.append(msg)
+            warnings.warn(msg, stacklevel=3)
+        return report
+
+    def quantize_model(self, model: nn.Module, tied: dict[str, str] | None = None,
+                       on_tpu: bool | None = None) -> nn.Module:
+        """Replace the chosen nn.Linear layers in place; returns ``model``.
+
+        The report is ``model.autoxla_quantization`` (and is logged).
+        """
+        report = self.plan(model, tied, on_tpu)
+        report.bytes_before = _weight_bytes(model)
+        for name, d in report.layers.items():
+            parent, leaf = _parent(model, name)
+            old = getattr(parent, leaf)
+            new = _quantized_like(old, d)
+            if old.weight.device.type != "meta":
+                q = quantize_tensor(old.weight.detach().cpu(), d.fmt, name)
+                report.record_stats(name, q)
+                dev = old.weight.device
+                new.load_quantized(q.q.to(dev), q.scale.to(dev),
+                                   None if q.zero_point is None else q.zero_point.to(dev),
+                                   None if old.bias is None else old.bias.detach())
+            setattr(parent, leaf, new)
+        report.bytes_after = _weight_bytes(model)
+        model.autoxla_quantization = report
+        saving.attach(model)   # transformers' own save would drop the quantization config
+        logger.info("%s", report)
+        return model
+
+
+LanguageModelQuantizer = ModelQuantizer
+
+
+def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:
+    dev = old.weight.device
+    dtype = old.bias.dtype if old.bias is not None else old.weight.dtype
+    new = QuantizedLinear(d.fmt, bias=old.bias is not None, backend=d.backend,
+                          quantize_activation=d.activation_quant, dtype=dtype, device=dev)
+    if old.bias is not None:
+        new.bias.requires_grad_(old.bias.requires_grad)
+    return new
+
+
+def _parent(model: nn.Module, name: str):
+    if "." not in name:
+        return model, name
+    path, leaf = name.rsplit(".", 1)
+    return model.get_submodule(path), leaf
+
+
+def _shared_parameter_names(model: nn.Module) -> set[str]:
+    """Names of parameters that share one tensor with another name (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    return {n for names in by_id.values() if len(names) > 1 for n in names}
+
+
+def _on_tpu(model: nn.Module) -> bool:
+    devices = {p.device.type for p in model.parameters()}
+    if "xla" not in devices and "meta" not in devices:
+        return False
+    from .. import backend
+
+    try:
+        return backend.on_tpu()
+    except ImportError:
+        return False

@@ -1,0 +1,113 @@
+"""QuantizationConfig: the seed's keywords, validation at the edge, and its saved form."""
+import pytest
+
+from AutoXLA.quantization import QuantizationConfig
+from AutoXLA.quantization.config import FORMAT_VERSION
+
+
+def test_seed_spellings():
+    a = QuantizationConfig(bits=8, use_pallas=True, quantize_activation=True)
+    b = QuantizationConfig(n_bits=8, use_pallas=True)
+    assert a.n_bits == a.bits == 8 and a.quantize_activation and a.use_pallas
+    assert b.n_bits == b.bits == 8 and not b.quantize_activation
+    assert QuantizationConfig().n_bits == 8 and QuantizationConfig().block_size == -1
+    assert QuantizationConfig(bits=4, n_bits=4).n_bits == 4
+    c = QuantizationConfig(n_bits=8, exclude_layers=["iou_prediction_head", "output_upscaling"])
+    assert c.exclude_layers == ["iou_prediction_head", "output_upscaling"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(n_bits=3), r"n_bits=3 is not supported; use 8 \(int8\) or 4 \(int4\)"),
+    (dict(bits=16), r"n_bits=16"),
+    (dict(n_bits=True), r"n_bits=True"),
+    (dict(bits=8, n_bits=4), r"bits=8 and n_bits=4 disagree"),
+    (dict(block_size=33), r"block_size=33 .* multiple of 32 from 32 to 1024"),
+    (dict(block_size=16), r"block_size=16"),
+    (dict(block_size=2048), r"block_size=2048"),
+    (dict(block_size=0), r"block_size=0"),
+    (dict(block_size="64"), r"block_size='64'"),
+    (dict(symmetric="yes"), r"symmetric must be True or False"),
+    (dict(quantize_activation=1), r"quantize_activation must be True or False"),
+    (dict(use_pallas="auto"), r"use_pallas must be"),
+    (dict(backend="cuda"), r"backend='cuda' is unknown; use one of auto, pallas, xla_op, fallback"),
+    (dict(backend="pallas", use_pallas=False), r"contradicts"),
+    (dict(exclude_layers=[""]), r"non-empty strings"),
+])
+def test_invalid_values_name_value_and_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        QuantizationConfig(**kwargs)
+
+
+def test_block_size_must_divide_each_layer_named():
+    cfg = QuantizationConfig(n_bits=4, block_size=64)
+    assert cfg.layer_format("a", 128, 8).groups == 2
+    with pytest.raises(ValueError, match=r"does not divide the input dimension \(96\) of layer "
+                                         r"'model.layers.0.mlp.down_proj'"):
+        cfg.layer_format("model.layers.0.mlp.down_proj", 96, 8)
+
+
+def test_layer_format_shapes():
+    f = QuantizationConfig(n_bits=4).layer_format("x", 77, 5)   # odd input: last nibble padded
+    assert f.per_channel and f.q_shape == (5, 39) and f.scale_shape == (5, 1)
+    f = QuantizationConfig(n_bits=8, block_size=32, symmetric=False).layer_format("x", 96, 5)
+    assert f.q_shape == (5, 96) and f.scale_shape == (5, 3) and f.label == "int8 block 32 asym"
+
+
+def test_exclude_patterns():
+    cfg = QuantizationConfig(exclude_layers=["lm_head", "mlp.down_proj", "*.o_proj", "layers.1"])
+    assert cfg.excludes("lm_head") == "lm_head"
+    assert cfg.excludes("model.layers.0.mlp.down_proj") == "mlp.down_proj"
+    assert cfg.excludes("model.layers.0.self_attn.o_proj") == "*.o_proj"
+    assert cfg.excludes("model.layers.1.mlp.up_proj") == "layers.1"
+    assert cfg.excludes("model.layers.10.mlp.up_proj") is None     # dotted parts, not substrings
+    assert cfg.excludes("model.layers.0.mlp.up_proj") is None
+
+
+def test_dict_round_trip_and_version():
+    cfg = QuantizationConfig(n_bits=4, block_size=64, symmetric=False, exclude_layers=["x"],
+                             quantize_activation=True, backend="fallback")
+    d = cfg.to_dict()
+    assert d["quant_method"] == "autoxla" and d["format_version"] == FORMAT_VERSION
+    assert "bits" not in d and d["n_bits"] == 4
+    assert QuantizationConfig.from_dict(d) == cfg
+    with pytest.raises(ValueError, match="format_version 99"):
+        QuantizationConfig.from_dict({**d, "format_version": 99})
+    with pytest.raises(ValueError, match="quant_method='gptq'"):
+        QuantizationConfig.from_dict({**d, "quant_method": "gptq"})
+    with pytest.raises(ValueError, match=r"unknown quantization_config keys \['group'\]"):
+        QuantizationConfig.from_dict({**d, "group": 1})
+
+
+def test_same_weights_ignores_runtime_settings():
+    a = QuantizationConfig(n_bits=8)
+    assert a.same_weights_as(QuantizationConfig(n_bits=8, quantize_activation=True, backend="fallback"))
+    assert not a.same_weights_as(QuantizationConfig(n_bits=4))
+
+
+def test_cli_plans_quantized_tensors_without_torch_xla(checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text((checkpoints["llama"] / "config.json").read_text())
+    code = ("import sys; from AutoXLA.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch_xla' not in sys.modules, 'plan must not import torch_xla'; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, "plan", str(tmp_path), "--strategy", "2d",
+                          "--bits", "4", "--block-size", "64", "--asym"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    q = next(line for line in lines if line.startswith("model.layers.0.mlp.down_proj.weight "))
+    # int4 packed: (64, 128) float becomes (64, 64) bytes; on a TPU int4 runs on Pallas only when
+    # symmetric, so this asymmetric layer takes the fallback.
+    assert "64x64" in q and "uint8" in q and "int4 block 64 asym via fallback" in q
+    assert any(line.startswith("model.layers.0.mlp.down_proj.weight_zero_point ") for line in lines)
+    assert "14 linear(s) quantized" in out.stdout
+
+
+def test_cli_quantization_flags_need_bits(capsys, checkpoints):
+    from AutoXLA.cli import main
+
+    assert main(["plan", str(checkpoints["llama"]), "--asym"]) == 2
+    assert "add --bits 8 or --bits 4" in capsys.readouterr().err
+    assert main(["plan", str(checkpoints["llama"]), "--bits", "3"]) == 2
+    assert "n_bits=3" in capsys.readouterr().err

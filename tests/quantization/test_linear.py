@@ -1,0 +1,135 @@
+"""QuantizedLinear on the CPU: the in-graph int4 unpacking, dequantization, and the backends.
+
+The XLA-device behaviour (sharded) is in test_quantized_loading.py; here the same module runs on
+CPU tensors, where torch.ops.xla.quantized_matmul has a CompositeExplicitAutograd kernel.
+"""
+import pytest
+import torch
+
+from AutoXLA import _native
+from AutoXLA.quantization import QuantizationConfig
+from AutoXLA.quantization.backends import choose, pallas_arguments, xla_op_arguments
+from AutoXLA.quantization.linear import SCALE_DTYPE, QuantizedLinear, dequantize, unpack_int4
+
+FORMATS = [  # (n_bits, block_size, symmetric)
+    (8, -1, True), (8, -1, False), (8, 32, True), (8, 64, False),
+    (4, -1, True), (4, -1, False), (4, 32, True), (4, 64, False),
+]
+
+
+def test_unpack_int4_golden_bytes():
+    # Element 2j in the low nibble, 2j+1 in the high nibble, 4-bit two's complement; an odd
+    # row's last high nibble is padding. The C engine's packing of the same values is pinned in
+    # csrc/tests; here the reverse direction, as the device graph runs it.
+    packed = torch.tensor([[0x21, 0x8F, 0x07]], dtype=torch.uint8)
+    assert unpack_int4(packed, 5).tolist() == [[1, 2, -1, -8, 7]]
+    assert unpack_int4(packed, 6).tolist() == [[1, 2, -1, -8, 7, 0]]
+
+
+@pytest.mark.parametrize("bits,block,sym", FORMATS)
+def test_torch_dequantize_equals_c_engine(bits, block, sym):
+    # The device-side dequantization (torch ops) and the C engine's must agree exactly in fp32:
+    # both widen the bf16 scale and compute (q - zp) * scale with one fp32 multiply.
+    torch.manual_seed(bits * 100 + block)
+    w = torch.randn(24, 192) * 0.3
+    fmt = QuantizationConfig(n_bits=bits, block_size=block, symmetric=sym).layer_format("w", 192, 24)
+    q = _native.quantize(w, bits=bits, symmetric=sym, block_size=block, scale_dtype=SCALE_DTYPE)
+    ours = dequantize(q.q, q.scale, q.zero_point, fmt, torch.float32)
+    theirs = _native.dequantize(q.q, q.scale, q.zero_point, bits=bits, cols=192, block_size=block)
+    assert torch.equal(ours, theirs)
+
+
+def _layer(bits, block, sym, backend, act=False, in_f=192, out_f=24, seed=0):
+    torch.manual_seed(seed)
+    w = torch.randn(out_f, in_f) * 0.3
+    b = torch.randn(out_f)
+    cfg = QuantizationConfig(n_bits=bits, block_size=block, symmetric=sym)
+    fmt = cfg.layer_format("w", in_f, out_f)
+    layer = QuantizedLinear(fmt, bias=True, backend=backend, quantize_activation=act)
+    q = _native.quantize(w, bits=bits, symmetric=sym, block_size=block, scale_dtype=SCALE_DTYPE)
+    layer.load_quantized(q.q, q.scale, q.zero_point, b)
+    return layer, w, b
+
+
+@pytest.mark.parametrize("bits,block,sym", FORMATS)
+def test_fallback_equals_float64_matmul_of_dequantized_weight(bits, block, sym):
+    layer, _, b = _layer(bits, block, sym, "fallback")
+    x = torch.randn(3, 5, 192)
+    w64 = layer.dequantized_weight(torch.float64)
+    expected = x.double() @ w64.T + b.double()
+    # fp32 matmul over 192 terms of magnitude ~1: error ~ sqrt(192) * 2^-24 * |sum| << 1e-4.
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-5)
+    assert layer.bias.dtype == torch.float32 and layer.bias.requires_grad
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_xla_op_equals_fallback_per_channel_int8(sym):
+    fb, _, _ = _layer(8, -1, sym, "fallback")
+    op, _, _ = _layer(8, -1, sym, "xla_op")
+    x = torch.randn(4, 192)
+    # Same weights; the op scales after the matmul, the fallback before: fp32 reordering only.
+    torch.testing.assert_close(op(x), fb(x), atol=1e-4, rtol=1e-4)
+
+
+def test_xla_op_activation_quantization_is_w8a8():
+    op, _, _ = _layer(8, -1, True, "xla_op", act=True)
+    fb, _, _ = _layer(8, -1, True, "fallback")
+    x = torch.randn(4, 192)
+    y, ref = op(x), fb(x)
+    # Dynamic per-row int8 activations: error about |x|max/127/sqrt(12) per input, summed over 192
+    # inputs of a weight ~0.3: relative error ~1%, never exact.
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert 1e-4 < rel < 0.05, rel
+
+
+def test_xla_op_zero_point_is_premultiplied():
+    layer, _, _ = _layer(8, -1, False, "xla_op")
+    (x, w, scale), kw = xla_op_arguments(layer, torch.randn(2, 192))
+    assert w.dtype == torch.int8 and scale.shape == (24,)
+    expected = layer.weight_zero_point.reshape(-1).float() * scale
+    assert torch.equal(kw["zero_point"], expected)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_pallas_arguments(bits):
+    # The Pallas kernel itself needs a TPU and is not run here; its arguments are: a 2-D x, an
+    # int8 (out, in) weight (int4 unpacked inside the graph to values in [-8, 7]), a (out,) scale.
+    layer, _, _ = _layer(bits, -1, True, "pallas", act=True)
+    x = torch.randn(3, 5, 192)
+    (x2, w, scale), kw = pallas_arguments(layer, x)
+    assert x2.shape == (15, 192) and w.dtype == torch.int8 and w.shape == (24, 192)
+    assert scale.shape == (24,) and kw == {"quantize_activation": True}
+    if bits == 4:
+        assert w.min() >= -8 and w.max() <= 7
+    fb, _, _ = _layer(bits, -1, True, "fallback")
+    torch.testing.assert_close((x2 @ w.float().T) * scale, fb(x).reshape(15, 24) - fb.bias,
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits,block,sym,on_tpu,use_pallas,expected", [
+    (8, -1, True, True, None, "pallas"),
+    (8, -1, True, True, True, "pallas"),
+    (4, -1, True, True, None, "pallas"),
+    (8, -1, True, True, False, "xla_op"),
+    (8, -1, True, False, True, "xla_op"),
+    (8, -1, False, True, None, "xla_op"),
+    (8, 64, True, True, None, "fallback"),
+    (4, -1, True, False, None, "fallback"),
+    (4, 64, False, True, None, "fallback"),
+])
+def test_backend_preference(bits, block, sym, on_tpu, use_pallas, expected):
+    cfg = QuantizationConfig(n_bits=bits, block_size=block, symmetric=sym, use_pallas=use_pallas)
+    fmt = cfg.layer_format("l", 128, 16)
+    name, passed_over = choose(fmt, cfg, on_tpu)
+    assert name == expected
+    assert len(passed_over) == ("pallas", "xla_op", "fallback").index(expected)
+
+
+def test_explicit_backend_that_cannot_run_is_an_error():
+    cfg = QuantizationConfig(n_bits=4, backend="xla_op")
+    with pytest.raises(ValueError, match=r"backend='xla_op' cannot run layer 'mlp' \(int4 per-channel "
+                                         r"sym\): torch_xla's int4 path copies the weight to the host"):
+        choose(cfg.layer_format("mlp", 64, 8), cfg, on_tpu=False, layer="mlp")
+    cfg = QuantizationConfig(n_bits=8, backend="pallas")
+    with pytest.raises(ValueError, match="runs only on a TPU"):
+        choose(cfg.layer_format("mlp", 64, 8), cfg, on_tpu=False, layer="mlp")

@@ -1,0 +1,138 @@
+"""ModelQuantizer on CPU models: what it replaces, what it keeps, and what it reports."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from AutoXLA import LanguageModelQuantizer as TopLevelAlias
+from AutoXLA.quantization import (LanguageModelQuantizer, ModelQuantizer, QuantizationConfig,
+                                  QuantizedLinear)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d, bias=True)
+        self.mlp = nn.Sequential()
+        self.mlp.down_proj = nn.Linear(2 * d, d, bias=True)
+        self.up = nn.Linear(d, 2 * d, bias=False)
+
+    def forward(self, x):
+        return x + self.mlp.down_proj(torch.relu(self.up(self.q_proj(x))))
+
+
+class Toy(nn.Module):
+    def __init__(self, d=64, vocab=50, tie=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d) for _ in range(2)])
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)
+
+
+def _quiet(fn, *a, **k):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*a, **k)
+
+
+def test_aliases_are_one_class():
+    assert LanguageModelQuantizer is ModelQuantizer is TopLevelAlias
+
+
+def test_replaces_linears_keeps_biases_head_and_embeddings():
+    torch.manual_seed(0)
+    model = Toy()
+    bias_before = model.layers[0].q_proj.bias.detach().clone()
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        ref = model(ids).double()
+    _quiet(ModelQuantizer(QuantizationConfig(n_bits=8)).quantize_model, model)
+    q = model.layers[0].q_proj
+    assert isinstance(q, QuantizedLinear) and q.weight.dtype == torch.int8
+    assert q.bias.dtype == torch.float32 and torch.equal(q.bias.detach(), bias_before)
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.embed, nn.Embedding)
+    report = model.autoxla_quantization
+    assert set(report.layers) == {f"layers.{i}.{n}" for i in range(2)
+                                  for n in ("q_proj", "mlp.down_proj", "up")}
+    assert "lm_head" in report.skipped and "quantize_lm_head=False" in report.skipped["lm_head"]
+    assert report.bytes_after < report.bytes_before
+    d = report.layers["layers.0.up"]
+    assert d.min_sqnr_db > 35 and d.max_err > 0      # int8 on Gaussian rows: ~40 dB per row
+    assert "6 linear(s) quantized" in str(report)
+    with torch.no_grad():
+        out = model(ids).double()
+    sqnr = 10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum())
+    assert sqnr > 25, sqnr
+
+
+def test_exclude_layers_and_unmatched_pattern_warns():
+    model = Toy()
+    cfg = QuantizationConfig(n_bits=4, exclude_layers=["mlp.down_proj", "no_such_layer"])
+    with pytest.warns(UserWarning, match=r"pattern 'no_such_layer' matches no linear layer of Toy"):
+        ModelQuantizer(cfg).quantize_model(model)
+    for i in range(2):
+        assert type(model.layers[i].mlp.down_proj) is nn.Linear
+        assert isinstance(model.layers[i].q_proj, QuantizedLinear)
+    assert model.autoxla_quantization.skipped["layers.0.mlp.down_proj"].startswith("excluded")
+
+
+def test_lm_head_quantized_when_asked_but_never_when_tied():
+    model = Toy()
+    _quiet(ModelQuantizer(QuantizationConfig(quantize_lm_head=True)).quantize_model, model)
+    assert isinstance(model.lm_head, QuantizedLinear)
+    tied = Toy(tie=True)
+    _quiet(ModelQuantizer(QuantizationConfig(quantize_lm_head=True)).quantize_model, tied)
+    assert type(tied.lm_head) is nn.Linear and tied.lm_head.weight is tied.embed.weight
+    assert "tied" in tied.autoxla_quantization.skipped["lm_head"]
+
+
+def test_block_size_error_names_the_layer():
+    with pytest.raises(ValueError, match=r"block_size=256 does not divide the input dimension "
+                                         r"\(64\) of layer 'layers.0.q_proj'"):
+        ModelQuantizer(QuantizationConfig(n_bits=4, block_size=256)).quantize_model(Toy())
+
+
+def test_use_pallas_off_tpu_warns_once_and_falls_back():
+    model = Toy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ModelQuantizer(QuantizationConfig(bits=8, use_pallas=True)).quantize_model(model)
+    pallas = [w for w in caught if "Pallas" in str(w.message)]
+    assert len(pallas) == 1, [str(w.message) for w in caught]
+    assert "runs only on a TPU" in str(pallas[0].message)
+    assert {d.backend for d in model.autoxla_quantization.layers.values()} == {"xla_op"}
+
+
+def test_activation_quantization_unsupported_by_fallback_says_so():
+    with pytest.warns(UserWarning, match=r"fallback backend does not quantize activations: 6 layer"):
+        ModelQuantizer(QuantizationConfig(n_bits=4, block_size=32,
+                                          quantize_activation=True)).quantize_model(Toy())
+
+
+def test_config_or_keywords():
+    assert ModelQuantizer(n_bits=4).config.n_bits == 4
+    with pytest.raises(TypeError, match="QuantizationConfig"):
+        ModelQuantizer({"n_bits": 4})
+    with pytest.raises(TypeError, match="not both"):
+        ModelQuantizer(QuantizationConfig(), n_bits=4)
+
+
+def test_nan_weight_names_the_layer_row():
+    model = Toy()
+    with torch.no_grad():
+        model.layers[1].up.weight[17, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"cannot quantize layers.1.up: row 17 of its weight "
+                                         r"contains NaN or Inf.*exclude_layers"):
+        _quiet(ModelQuantizer(QuantizationConfig()).quantize_model, model)
