@@ -709,12 +709,13 @@ def quantize(
 
     The arithmetic is fixed and identical on every ISA and thread count (autoxla.h):
     symmetric scale = max|x| / qmax, asymmetric scale = (max(x, 0) - min(x, 0)) / (qmax -
-    qmin), in float32; with scale_dtype=torch.bfloat16 that scale is rounded to bfloat16
-    (nearest even, as .to(torch.bfloat16)) and the rounded value is used from then on:
-    q = clamp(round_half_even(x * (1 / scale)) + zero_point), all in float32; a block whose
-    scale is 0 (or whose 1 / scale overflows) is all zeros with scale 0. A bfloat16 scale
-    that rounded down can leave an element up to (qmax - qmin) * (fp32 scale - scale)
-    beyond half a step from its dequantized value (the clamps bind).
+    qmin), in float32; with scale_dtype=torch.bfloat16 that scale is rounded UP to bfloat16
+    (the smallest bfloat16 >= it; not to nearest as .to(torch.bfloat16) rounds) and the
+    rounded value is used from then on: q = clamp(round_half_even(x * (1 / scale)) +
+    zero_point), all in float32; a block whose scale is 0 (or whose 1 / scale overflows) is
+    all zeros with scale 0. Since the stored scale is never below the float32 one, every
+    element of a kept block is within half a step (plus float32 rounding) of its
+    dequantized value, with either scale dtype.
     Raises NativeError (with .row) if a row holds NaN or Inf.
     """
     _check_cpu_tensor(

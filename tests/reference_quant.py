@@ -8,8 +8,9 @@ AutoXLA._native.quantize / dequantize element for element:
     sym:  amax = max |x|;  scale = amax / qmax                     qmax = 127 or 7
     asym: lo = min(min x, 0), hi = max(max x, 0)
           scale = (hi - lo) / (qmax - qmin)                        qmin, qmax = -128, 127 / -8, 7
-    scale = scale.to(bfloat16).to(float32) when the scales are stored as bfloat16 (round to
-          nearest even: what the C core does); this rounded scale is used from here on
+    scale = scale rounded UP to bfloat16 (toward +inf: the smallest bfloat16 >= scale, by
+          bit manipulation, see _round_up_to_bfloat16) and widened back, when the scales are
+          stored as bfloat16 (what the C core does); this rounded scale is used from here on
     inv   = 1 / scale; a block with scale 0 or inv = +inf is all zeros: scale 0, zp 0, q 0
     zp    = clamp(qmin - round(lo * inv), qmin, qmax)              (asym; 0 when symmetric)
     q     = clamp(round(x * inv) + zp, qmin, qmax)                 round = half to even
@@ -66,6 +67,15 @@ def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     return (nibbles ^ 8) - 8
 
 
+def _round_up_to_bfloat16(scale: torch.Tensor) -> torch.Tensor:
+    """float32 scales (finite, >= 0) rounded up to bfloat16 values, still float32: the
+    smallest bfloat16 >= each (a bfloat16 value, 0 included, unchanged). For x >= 0 adding
+    0xFFFF to the bits carries into the kept high 16 exactly when a dropped bit is set, for
+    normal and subnormal x alike; scales are at most FLT_MAX / 7, so no carry reaches Inf."""
+    bits = scale.view(torch.int32)
+    return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
+
+
 def quantize_reference(
     w: torch.Tensor,
     bits: int,
@@ -104,7 +114,8 @@ def quantize_reference(
         if overflow.any():
             raise ValueError(f"row {int(overflow.nonzero()[0])}: a block range overflows float32")
     # The stored scale, and the one used from here on (finite, >= 0: no NaN rule matters).
-    scale = scale.to(scale_dtype).to(torch.float32)
+    if scale_dtype == torch.bfloat16:
+        scale = _round_up_to_bfloat16(scale)
     inv = torch.ones_like(scale) / scale  # 1 / 0 = inf
     zero = torch.isinf(inv)
     scale = torch.where(zero, torch.zeros_like(scale), scale)

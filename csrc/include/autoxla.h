@@ -203,24 +203,25 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  *   symmetric (qmax = 127 or 7): amax = max |x| over the block; s = amax / qmax.
  *   asymmetric (qmin, qmax = -128, 127 or -8, 7): lo = min(min(block), 0),
  *     hi = max(max(block), 0); s = (hi - lo) / (qmax - qmin) (+Inf: AXL_ERR_NON_FINITE).
- *   scale = s (AXL_F32), or s rounded to bf16 exactly as axl_convert rounds f32 -> bf16
- *     (round to nearest even) and widened back to fp32 (AXL_BF16). From here on the block
- *     uses this rounded scale, never s: it is what is stored, tested below, inverted and
- *     multiplied by.
+ *   scale = s (AXL_F32), or s rounded UP to bf16 (toward +Inf: the smallest bf16 value
+ *     >= s; a bf16 value, 0 included, is unchanged; unlike axl_convert, which rounds to
+ *     nearest even) and widened back to fp32 (AXL_BF16). From here on the block uses this
+ *     rounded scale, never s: it is what is stored, tested below, inverted and multiplied
+ *     by.
  *   inv = 1.0f / scale.
  *   symmetric: q = clamp(nearbyint(x * inv), -qmax, qmax); zero point 0.
  *   asymmetric: zp = clamp(qmin - nearbyint(lo * inv), qmin, qmax);
  *     q = clamp(nearbyint(x * inv) + zp, qmin, qmax)   (round, then add the integer zp).
- *   A block whose scale is 0, or so small (below ~2^-128) that inv = 1.0f / scale
- *   overflows to +Inf, is stored as zeros: scale 0, zero point 0, every q 0. (Its
- *   elements are all below ~2^-120 in magnitude; this avoids 0 * Inf = NaN.)
+ *   A block whose scale is 0, or so small that inv = 1.0f / scale overflows to +Inf (that
+ *   is s <= 2^-128, with either scale dtype), is stored as zeros: scale 0, zero point 0,
+ *   every q 0. (Its elements are all below 2^-120 in magnitude; this avoids 0 * Inf = NaN.)
  *   dequantized: y = (float)(q - zp) * scale, in fp32 (a BF16 scale widened exactly).
- * With AXL_BF16 the scale may round down (by up to 2^-8 relative, 2^-6 for the smallest
- * kept scales, bf16 subnormals), so the grid of qmax - qmin steps can fall short of the
- * block's range and the clamps above then bind: |x - y| <= scale / 2 + (qmax - qmin) *
- * max(0, s - scale) (symmetric: qmax * max(0, s - scale)), plus fp32 rounding, instead of
- * scale / 2; at worst about 1.5 steps (int8 asymmetric), or 2 for int8 symmetric with a
- * scale below 2^-126.
+ * Since scale >= s (a BF16 scale is up to 2^-8 relative larger, 2^-5 for the smallest kept
+ * scales, bf16 subnormals), the block's range fits its grid of qmax - qmin steps with
+ * either scale dtype: every element of a kept block has |x - y| <= scale / 2 plus fp32
+ * rounding (below 2^-13 scale, and 2^-149 for subnormal products). Of the clamps only the
+ * asymmetric upper one can bind, by 1, when both ends of the range are (near) ties that
+ * round away, and then too within that bound.
  * The kernels run with the default FP environment whatever the caller's (on x86 MXCSR is
  * set to round-to-nearest without FTZ/DAZ for the call and restored after), so a caller's
  * torch.set_flush_denormal or rounding mode cannot change a result.

@@ -146,10 +146,14 @@ static inline int32_t axl_qmin(const axl_qformat *f) {
 static inline float axl_round_small(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
 /* The scale a block uses from s, its fp32 scale (finite, >= 0): s itself (AXL_F32), or s
- * rounded to bf16 as axl_convert rounds (nearest even) and widened back (AXL_BF16). */
+ * rounded UP to bf16 (toward +Inf: the smallest bf16 value >= s; a bf16 value, 0 included,
+ * stays as it is) and widened back (AXL_BF16). For s >= 0 adding 0xFFFF to the bits carries
+ * into the kept 16 exactly when a dropped bit is set, normal and subnormal s alike; s is at
+ * most FLT_MAX / 7, so the result is finite. Never below s, so the block's range fits the
+ * grid of its rounded scale (see quant_avx512.c). */
 static inline float axl_scale_round(float s, int scale_dtype) {
     if (scale_dtype == AXL_F32) return s;
-    return axl_f32_from_bits((uint32_t)axl_f32_bits_to_bf16(axl_bits_of_f32(s)) << 16);
+    return axl_f32_from_bits((axl_bits_of_f32(s) + 0xFFFFu) & 0xFFFF0000u);
 }
 
 /* Stores scale (already rounded by axl_scale_round) as block g of a row's scales. */
@@ -220,9 +224,9 @@ static inline int32_t axl_nibble_value(uint32_t nibble) { return (int32_t)(nibbl
  * in [2^k, 2^(k+1)), |dq| = fl(|v| scale) >= 2^k and |x| >= (scale / 2)(1 - 2^-24) (x
  * rounded to v != 0, or was clamped to it from beyond), so both are multiples of 2^(k-25),
  * and of 2^(k-24) unless |x| < 2^(k-1), where v = +-1 and |e| <= (scale / 2)(1 + 2^-23) <
- * 2^k: 25 bits; elsewhere |e| < 2 scale < 2^(k+2) (at most 1.98 steps: half a step, plus
- * what a bf16 scale rounded down loses, see quant_avx512.c): 26 bits. Subnormals only have
- * fewer. So e * e has at most 52. The tests check both on every element they check the
+ * 2^k: 25 bits; elsewhere |e| <= scale (1/2 + 2^-13) < 2^(k+1) (half a step, plus fp32
+ * rounding: no clamp costs more, see quant_avx512.c, also with bf16 scales, which round up):
+ * 25 bits. Subnormals only have fewer. So e * e has at most 50 (52 would still be exact). The tests check both on every element they check the
  * formulas on (test_quant.c, check_formulas). */
 static inline void axl_qstats_add(float x, float dq, double *signal, double *noise,
                                   double *max_abs_err) {

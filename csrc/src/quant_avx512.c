@@ -84,13 +84,11 @@ AXL_AVX512 INLINE void stats_finish(const stats16 *s, float *max_err, float *sqn
 }
 
 /* The scales of 16 blocks as a block uses them (axl_scale_round): each lane of s (finite,
- * >= 0) as it is (AXL_F32) or rounded to bf16 as axl_f32_bits_to_bf16 rounds (nearest even:
- * add 0x7FFF plus the lowest kept bit, then drop the low 16 bits) and widened back. */
+ * >= 0) as it is (AXL_F32) or rounded up to bf16 (add 0xFFFF, then drop the low 16 bits) and
+ * widened back (AXL_BF16). */
 AXL_AVX512 INLINE __m512 round_scales(__m512 s, int scale_dtype) {
     if (scale_dtype == AXL_F32) return s;
-    __m512i b = _mm512_castps_si512(s);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    b = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    __m512i b = _mm512_add_epi32(_mm512_castps_si512(s), _mm512_set1_epi32(0xFFFF));
     return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000)));
 }
 
@@ -387,37 +385,29 @@ AXL_AVX512 INLINE __m128i nibbles_eo(__m512i even, __m512i odd) {
     return _mm512_cvtepi32_epi8(pair);
 }
 
-/* Clamps the vector code leaves out, proven per format and scale dtype. Let s be a block's
- * fp32 scale and `scale` the one it uses: s itself (AXL_F32) or s rounded to bf16 (AXL_BF16).
- * A kept scale has a finite 1 / scale, so scale > 2^-128; in bf16 that means at least the bf16
- * after 2^-128, 2^-128 (1 + 2^-5), where bf16 values are 2^-133 apart, so
- * s / scale <= 1 + 2^-6 (and <= 1 + 2^-8 for scale >= 2^-126, where bf16 has 8 significant
- * bits). The fp32 roundings of s (subnormal s included), inv and x * inv add less than
- * 2^-21 relative together. So |x| <= amax, resp. |lo| <= hi - lo, give
- *   symmetric:  |x * inv|  <= qmax (s / scale)(1 + 2^-21):
- *               F32: qmax (1 + 2^-21); BF16: 7.11 for int4, 128.99 for int8;
- *   asymmetric: |lo * inv| <= (qmax - qmin)(s / scale)(1 + 2^-21):
- *               F32: 15.0001 / 255.001; BF16: 15.24 for int4, 259.0 for int8.
- * Hence:
- *   symmetric int4 (F32 or BF16), symmetric int8 F32: |nearbyint(x * inv)| <= qmax: no clamp
- *     binds.
- *   symmetric int8 BF16: nearbyint(x * inv) lies in [-129, 129], both clamps can bind, but
- *     only for scales below 2^-126 (above, 127 (1 + 2^-8)(1 + 2^-21) < 127.5). For those
- *     blocks the store saturates to [-128, 127] after raising the int16 values to >= -127,
- *     and the statistics clamp the int32 values to [-127, 127].
- *   asymmetric: while zp = qmin - nearbyint(lo * inv) needs no clamp, x >= lo and rounding
- *     is monotonic, so nearbyint(x * inv) + zp >= qmin: only the upper clamp can bind (by 1
- *     for F32, when both ends round away; by more for BF16). zp is clamped only when
- *     |lo * inv| > qmax - qmin + 1/2: never for F32, nor for int4 BF16 (15.24), but for int8
- *     BF16 (up to 259: zp = 131 -> 127), and then the lower clamp binds too.
- *     int4 clamps q to <= qmax; int8 stores with signed saturation, which is both clamps
- *     ([qmin, qmax] = [-128, 127]). The statistics clamp q - zp to <= qmax - zp, and for int8
- *     BF16 blocks with a clamped zero point (zp = qmax) also to >= qmin - zp.
- * quant_row_fast takes `rounded` = 1 for int8 with BF16 scales, the only formats that need
- * extra clamps, and applies them only to the blocks named above (quant_block's `clamp`), so
- * that other blocks cost what they cost with F32 scales. The scalar reference clamps
- * everything; the tests check that both agree bit for bit, on blocks built so that each clamp
- * above binds (test_quant.c). */
+/* Clamps the vector code leaves out, proven for both scale dtypes. Let s be a block's fp32
+ * scale and `scale` the one it uses: s itself (AXL_F32), or s rounded UP to bf16 (AXL_BF16),
+ * so scale >= s either way. A kept scale has a finite 1 / scale, so scale > 2^-128. fp32
+ * values (subnormals included) are at most 2^-149 apart, so the exact quotient (amax / qmax,
+ * resp. (hi - lo) / (qmax - qmin) with hi - lo already rounded, by at most 2^-24 relative)
+ * is at most s + 2^-150 <= scale + 2^-150 < scale (1 + 2^-22). With the fp32 roundings of
+ * inv = 1 / scale and of x * inv (2^-24 relative each), |x| <= amax, resp. |lo| <= hi - lo,
+ * give
+ *   symmetric:  |x * inv|  <= qmax (1 + 2^-21) < qmax + 1/2;
+ *   asymmetric: |lo * inv| <= (qmax - qmin)(1 + 2^-20) < qmax - qmin + 1/2
+ * (a bf16 scale exceeds s by up to 2^-8 relative, or 2^-5 for the smallest kept scales,
+ * bf16 subnormals: that only makes these smaller and the grid coarser). Hence:
+ *   symmetric: |nearbyint(x * inv)| <= qmax: no clamp binds.
+ *   asymmetric: nearbyint(lo * inv) lies in [-(qmax - qmin), 0], so zp = qmin -
+ *     nearbyint(lo * inv) never needs its clamp (the set-up applies it anyway, as the
+ *     reference does: two instructions per 16 blocks); x >= lo and rounding is monotonic, so
+ *     nearbyint(x * inv) + zp >= qmin: only the upper clamp can bind, by 1, when both ends
+ *     round away (and then x is within half a step, plus fp32 rounding, of qmax's value).
+ *     int4 clamps q to <= qmax; int8 stores with signed saturation (the clamp to
+ *     [-128, 127]); the statistics clamp q - zp to <= qmax - zp.
+ * The scalar reference clamps everything; the tests check that both agree bit for bit, with
+ * both scale dtypes, on blocks built to be as close to each bound as they can (test_quant.c),
+ * and that no element ends up more than half a step (plus fp32 rounding) from its value. */
 
 AXL_AVX512 INLINE void store32(void *p, __m256i v, int stream) {
     if (stream)
@@ -436,22 +426,20 @@ AXL_AVX512 INLINE void store16(void *p, __m128i v, int stream) {
 /* Pass 2 of one block, elements [k0, k1) of the row (k1 - k0 a multiple of 32): its q and
  * statistics, with the block's inv, scale and zero point; prefetches the line at `ahead` and
  * those after it (one per 32 elements of 16-bit source, two of f32) and returns the address
- * that follows. clamp: 1 adds the clamps of int8 with bf16 scales (see above). */
+ * that follows. */
 AXL_AVX512 INLINE uintptr_t quant_block(const void *w, int src_dtype, int64_t k0, int64_t k1,
                                         float inv, float scale, int32_t zp, uintptr_t ahead,
                                         void *q, int stream, stats16 *st, const int bits,
-                                        const int symmetric, const int stats, const int clamp) {
+                                        const int symmetric, const int stats) {
     const int eo = EVEN_ODD(src_dtype), wide = src_dtype == AXL_F32;
-    const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
+    const int32_t qmax = bits == 8 ? 127 : 7;
     const uintptr_t step_bytes = wide ? 128 : 64; /* per 32 elements */
     int8_t *q8 = q;
     uint8_t *q4 = q;
     const __m512 inv_v = _mm512_set1_ps(inv), scale_v = _mm512_set1_ps(scale);
     const __m512i zp16 = _mm512_set1_epi16((short)zp);
-    const __m512i qmin16 = _mm512_set1_epi16((short)qmin);
     const __m512i qmax16 = _mm512_set1_epi16((short)qmax);
-    /* The statistics' q - zp: v clamped to [qmin - zp, qmax - zp] where that can bind. */
-    const __m512i dlo = _mm512_set1_epi32(qmin - zp);
+    /* The statistics' q - zp: v clamped to qmax - zp (see above). */
     const __m512i dhi = _mm512_set1_epi32(qmax - zp);
     for (int64_t k = k0; k < k1; k += 32) {
         /* An address, not a C pointer: it may lie past the end of the weight. */
@@ -468,23 +456,15 @@ AXL_AVX512 INLINE uintptr_t quant_block(const void *w, int src_dtype, int64_t k0
             /* |v| <= 2^9: exact in int16; + zp and the clamp there. */
             __m512i w16 = to_words(eo, v0, v1);
             if (!symmetric) w16 = _mm512_add_epi16(w16, zp16);
-            if (bits == 8 && symmetric && clamp) w16 = _mm512_max_epi16(w16, qmin16);
-            if (bits == 8) /* saturating: the clamp to [-128, 127] */
+            if (bits == 8) /* saturating: the asymmetric clamp to [-128, 127] */
                 store32(q8 + k, _mm512_cvtsepi16_epi8(w16), stream);
             else
                 store16(q4 + k / 2, nibbles32(symmetric ? w16 : _mm512_min_epi16(w16, qmax16)),
                         stream);
         }
         if (stats) {
-            __m512i d0 = v0, d1 = v1;
-            if (!symmetric || clamp) {
-                d0 = _mm512_min_epi32(d0, dhi);
-                d1 = _mm512_min_epi32(d1, dhi);
-            }
-            if (clamp) {
-                d0 = _mm512_max_epi32(d0, dlo);
-                d1 = _mm512_max_epi32(d1, dlo);
-            }
+            __m512i d0 = symmetric ? v0 : _mm512_min_epi32(v0, dhi);
+            __m512i d1 = symmetric ? v1 : _mm512_min_epi32(v1, dhi);
             stats_add32(st, eo, x0, x1, _mm512_mul_ps(_mm512_cvtepi32_ps(d0), scale_v),
                         _mm512_mul_ps(_mm512_cvtepi32_ps(d1), scale_v));
         }
@@ -493,14 +473,12 @@ AXL_AVX512 INLINE uintptr_t quant_block(const void *w, int src_dtype, int64_t k0
 }
 
 /* fixed_block: the block size as a compile-time constant (common sizes, so that the inner
- * loops unroll), or 0 to read it from f. rounded: 1 for int8 with BF16 scales, whose clamps
- * can bind where F32 ones cannot (see above); 0 otherwise (f->scale_dtype still says how the
- * scales are rounded and stored). */
+ * loops unroll), or 0 to read it from f. f->scale_dtype says how the scales are rounded and
+ * stored; the loops are the same for both (see above). */
 AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qformat *f,
                                      void *q, void *scales, int8_t *zp, float *max_err,
                                      float *sqnr_db, const int bits, const int symmetric,
-                                     const int stats, const int rounded,
-                                     const int64_t fixed_block) {
+                                     const int stats, const int64_t fixed_block) {
     const int64_t block = fixed_block ? fixed_block : f->block, groups = f->groups;
     const int eo = EVEN_ODD(src_dtype), wide = src_dtype == AXL_F32;
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
@@ -631,15 +609,8 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
         uintptr_t ahead = (uintptr_t)w + (uintptr_t)((g0 + nb) * block) * (wide ? 4 : 2);
         for (int b = 0; b < nb; b++) {
             const int64_t k0 = (g0 + b) * block;
-            /* The extra clamps of int8 with bf16 scales, only for the blocks where they can
-             * bind (see above): symmetric, a scale below 2^-126; asymmetric, a clamped zero
-             * point (so zp = qmax). */
-            const int clamp = rounded && (symmetric ? scale[b] < 0x1p-126f : zpi[b] == qmax);
-#define QB(c)                                                                               \
-    quant_block(w, src_dtype, k0, k0 + block, inv[b], scale[b], zpi[b], ahead, q, stream, &st, \
-                bits, symmetric, stats, c)
-            ahead = clamp ? QB(1) : QB(0);
-#undef QB
+            ahead = quant_block(w, src_dtype, k0, k0 + block, inv[b], scale[b], zpi[b], ahead, q,
+                                stream, &st, bits, symmetric, stats);
         }
     }
     if (stream) _mm_sfence(); /* order the streamed q before the caller's next reads */
@@ -651,10 +622,10 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
 AXL_AVX512 INLINE int quant_row_blocks(const void *w, int src_dtype, const axl_qformat *f,
                                        void *q, void *scales, int8_t *zp, float *max_err,
                                        float *sqnr_db, const int bits, const int symmetric,
-                                       const int stats, const int rounded) {
+                                       const int stats) {
 #define QF(fixed)                                                                           \
     quant_row_fast(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits, symmetric, stats, \
-                   rounded, fixed)
+                   fixed)
     if (f->block == 32) return QF(32);
     if (f->block == 64) return QF(64);
     return QF(0);
@@ -666,13 +637,9 @@ AXL_AVX512 INLINE int quant_row_blocks(const void *w, int src_dtype, const axl_q
 AXL_AVX512 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f, void *q,
                                 void *scales, int8_t *zp, float *max_err, float *sqnr_db,
                                 const int bits, const int symmetric, const int stats) {
-    if (f->block % 32 == 0) {
-        if (bits == 8 && f->scale_dtype == AXL_BF16)
-            return quant_row_blocks(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits,
-                                    symmetric, stats, 1);
+    if (f->block % 32 == 0)
         return quant_row_blocks(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits,
-                                symmetric, stats, 0);
-    }
+                                symmetric, stats);
     return quant_row_masked(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, bits, symmetric,
                             stats);
 }

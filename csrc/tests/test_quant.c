@@ -2,9 +2,10 @@
  * and the bf16 rounding of scales, the scalar reference against the documented formulas
  * (values, dequantized values, error statistics, the error bound), every vectorised ISA equal
  * to the reference bit for bit (every source and destination dtype, every format, odd widths,
- * 1/2/3/all threads, with FTZ/DAZ and another rounding mode set by the caller), blocks on
- * which every clamp binds, zero blocks, subnormals, NaN/Inf rows, thread creation failure,
- * and bad arguments. Every one of these runs with f32 and with bf16 scales. */
+ * 1/2/3/all threads, with FTZ/DAZ and another rounding mode set by the caller), blocks at
+ * the edges of the clamps and of the half-step bound (the one clamp that can bind, binding),
+ * zero blocks, subnormals, NaN/Inf rows, thread creation failure, and bad arguments. Every
+ * one of these runs with f32 and with bf16 scales. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -190,11 +191,12 @@ static float scale_at(const qres *r, int64_t i) {
     return axl_f32_from_bits((uint32_t)((const uint16_t *)r->scales)[i] << 16);
 }
 
-/* f32 -> bf16 -> f32, round to nearest even, written out independently of the library: the
- * dropped 16 bits decide, a tie goes to the even kept value. For finite x only. */
+/* f32 -> bf16 -> f32, rounded up (toward +Inf), written out independently of the library:
+ * x >= 0 keeps its high 16 bits, plus one bf16 step if any dropped bit is set. For finite
+ * x >= 0 only (what a scale is). */
 static float bf16_rounded(float x) {
-    uint32_t b = axl_bits_of_f32(x), kept = b & 0xFFFF0000u, dropped = b & 0xFFFFu;
-    if (dropped > 0x8000u || (dropped == 0x8000u && (kept & 0x10000u))) kept += 0x10000u;
+    uint32_t b = axl_bits_of_f32(x), kept = b & 0xFFFF0000u;
+    if (b & 0xFFFFu) kept += 0x10000u;
     return axl_f32_from_bits(kept);
 }
 
@@ -224,9 +226,8 @@ static int32_t q_at(const qres *r, int64_t row, int64_t k) {
 /* ---- the reference against the documented arithmetic ------------------------------------ */
 
 /* Re-derives every output of a scalar run from the formulas in autoxla.h, written out
- * independently, and checks the error bound: half a step, plus, when a bf16 scale rounded
- * below the fp32 one s, the range the grid loses, span * (s - scale) (span = qmax - qmin, or
- * qmax when symmetric: the clamped ends). Returns the number of failures. */
+ * independently, and checks the error bound: half a step of the stored scale (plus fp32
+ * rounding), with either scale dtype. Returns the number of failures. */
 static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t block,
                               const qres *r, const char *what) {
     const int32_t qmax = r->bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
@@ -243,7 +244,6 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
             }
             const float s = symmetric ? amax / (float)qmax : (hi - lo) / (float)(qmax - qmin);
             float scale = r->scale_dtype == AXL_BF16 ? bf16_rounded(s) : s;
-            const double lost = (symmetric ? qmax : qmax - qmin) * fmax(0.0, (double)s - scale);
             float inv = scale > 0 ? 1.0f / scale : INFINITY;
             int32_t zp = 0;
             if (isinf(inv)) scale = inv = 0;
@@ -267,12 +267,11 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                 float dq = (float)(v - zp) * scale;
                 /* Half a step, plus the scale's and the product's fp32 rounding (about
                  * 2^-15 of a step, see test_quantize.py), plus 2^-149 for subnormal
-                 * products, plus the range lost to a bf16 scale rounded down; a zero block
-                 * holds only values below ~2^-120 (255 * 2^-128 (1 + 2^-6) with a bf16
-                 * scale that rounds to 2^-128). */
+                 * products; with a bf16 scale too (it rounds up, so the block's range fits
+                 * its grid). A zero block (s <= 2^-128, with either scale dtype) holds only
+                 * values below 255 * 2^-128 (1 + 2^-22) < 2^-120. */
                 double err = fabs((double)x - (double)dq);
-                double bound =
-                    scale > 0 ? scale * (0.5 + 1.0 / 8192) + 0x1p-149 + lost : 0x1p-119;
+                double bound = scale > 0 ? scale * (0.5 + 1.0 / 8192) + 0x1p-149 : 0x1p-120;
                 if (got != v || err > bound) {
                     CHECK_MSG(0, "%s row %lld col %lld: x %a q %d want %d, |x - dq| %g > %g",
                               what, (long long)row, (long long)k, x, got, v, err, bound);
@@ -553,32 +552,39 @@ static const golden goldens[] = {
     /* int8 symmetric: amax 254, scale 2; 3 -> 1.5 -> 2, 5 -> 2.5 -> 2, -254 -> -127. */
     {8, 1, WITH_BOTH, 3, {3, 5, -254}, {0x02, 0x02, 0x81}, 2.0f, 0},
 
-    /* The bf16 rounding of scales (computed by hand with numpy float32 ops):
-     * int8 symmetric, amax 100: s = 100/127 = 0x3F4992A5, whose low half 0x92A5 > 0x8000
-     * rounds up to bf16 0x3F4A = 0.7890625; inv = 1.2673268. 50 * inv = 63.37 -> 63, where
-     * the f32 scale gives 50 * 1.27 = 63.5 -> 64; -37.5 -> -47.52 -> -48. */
+    /* The bf16 rounding of scales, up (computed by hand with numpy float32 ops):
+     * int8 symmetric, amax 100: s = 100/127 = 0x3F4992A5 rounds up to bf16 0x3F4A =
+     * 0.7890625; inv = 1.2673268. 50 * inv = 63.37 -> 63, where the f32 scale gives
+     * 50 * 1.27 = 63.5 -> 64; -37.5 -> -47.52 -> -48. */
     {8, 1, WITH_F32, 5, {100, -37.5f, 0.4f, 63, 50}, {0x7F, 0xD0, 0x01, 0x50, 0x40},
      100.0f / 127.0f, 0},
     {8, 1, WITH_BF16, 5, {100, -37.5f, 0.4f, 63, 50}, {0x7F, 0xD0, 0x01, 0x50, 0x3F},
      0.7890625f, 0},
     /* int8 asymmetric, lo = -255.7470703125 = -255 (1 + 3 * 2^-10), hi 0: s = 1 + 3 * 2^-10
-     * rounds DOWN to bf16 1.0 (3 * 2^-10 is below half of bf16's 2^-7), so lo * inv = -255.75
-     * -> -256, zp = -128 + 256 = 128 is clamped to 127, and lo gives -256 + 127 = -129,
-     * clamped to -128 (both clamps bind). -50.6 -> -51 + 127 = 76; -100.5 is a tie -> -100
-     * + 127 = 27. With the f32 scale: zp 127 unclamped, -50.6 * 0.99708 -> -50 -> 77. */
+     * (0x3F806000) rounds UP to bf16 0x3F81 = 1.0078125 (to nearest it would be 1.0, and
+     * both clamps would bind), inv = 0x1.fc07f0p-1 = 0.99224806: lo * inv = -253.76 -> -254,
+     * zp = -128 + 254 = 126, lo -> -128; 0 -> 126; -50.6 -> -50.21 -> -50 + 126 = 76;
+     * -0.625 -> -0.62 -> -1 + 126 = 125; -100.5 -> -99.72 -> -100 + 126 = 26. With the f32
+     * scale: zp 127, -50.6 * 0.99708 -> -50 -> 77. */
     {8, 0, WITH_F32, 5, {-255.7470703125f, 0, -50.6f, -0.625f, -100.5f},
      {0x80, 0x7F, 0x4D, 0x7E, 0x1B}, 1.0029296875f, 127},
     {8, 0, WITH_BF16, 5, {-255.7470703125f, 0, -50.6f, -0.625f, -100.5f},
-     {0x80, 0x7F, 0x4C, 0x7E, 0x1B}, 1.0f, 127},
+     {0x80, 0x7E, 0x4C, 0x7D, 0x1A}, 1.0078125f, 126},
     /* int8 symmetric with a subnormal bf16 scale: amax = 132 * 2^-128, s = 33.26 * 2^-133
-     * rounds to 33 * 2^-133 (bf16 bits 0x0021), so amax * inv = 132 * 32 / 33 = 128: clamped
-     * to 127, and -amax to -127. 66 * 2^-128 -> 64, -33 * 2^-128 -> -32. */
+     * (0x1.0a1428p-128) rounds up to 34 * 2^-133 = 0x1.1p-128 (bf16 bits 0x0022), so
+     * amax * inv = 132 * 32 / 34 = 124.24 -> 124, -amax -> -124; 66 * 2^-128 -> 62.12 -> 62;
+     * -33 * 2^-128 -> -31.06 -> -31. With the f32 scale: 127, -127, 64, -32. */
     {8, 1, WITH_F32, 4, {0x1.08p-121f, -0x1.08p-121f, 0x1.08p-122f, -0x1.08p-123f},
      {0x7F, 0x81, 0x40, 0xE0}, 0x1.08p-121f / 127.0f, 0},
     {8, 1, WITH_BF16, 4, {0x1.08p-121f, -0x1.08p-121f, 0x1.08p-122f, -0x1.08p-123f},
-     {0x7F, 0x81, 0x40, 0xE0}, 0x1.08p-128f, 0},
-    /* int4 symmetric: s = 7.1 / 7 = 1.0142857 rounds up to bf16 1.015625 (0x3F82). */
+     {0x7C, 0x84, 0x3E, 0xE1}, 0x1.1p-128f, 0},
+    /* int4 symmetric: s = 7.1 / 7 = 1.0142857 (0x3F81D41D) rounds up to bf16 1.015625
+     * (0x3F82): 7.1 -> 6.99 -> 7, -3.3 -> -3.25 -> -3, 1.4 -> 1.38 -> 1. */
     {4, 1, WITH_BF16, 3, {7.1f, -3.3f, 1.4f}, {0xD7, 0x01}, 1.015625f, 0},
+    /* int4 symmetric: s = 7.0000005 / 7 = 1 + 2^-23 (the lowest dropped bit alone) rounds
+     * up to 1.0078125 (0x3F81): 7.0000005 -> 6.95 -> 7, 3.5 -> 3.47 -> 3 (not the tie of a
+     * scale of 1, which goes to 4). */
+    {4, 1, WITH_BF16, 2, {7.0000005f, 3.5f}, {0x37}, 1.0078125f, 0},
 };
 
 /* Stored integer k of a golden's q. */
@@ -654,20 +660,25 @@ static void test_goldens(void) {
     }
 }
 
-/* ---- clamps that bind ------------------------------------------------------------------------
- * A bf16 scale may round below the fp32 one, and then x * inv reaches past qmax (or, once the
- * zero point is clamped, below qmin): the clamps that quant_avx512.c leaves out for f32
- * scales must be there. Blocks are searched at random, by the formulas of autoxla.h written
- * out here, for ends whose unclamped value lies outside [qmin, qmax]; every clamp that can
- * bind must be found binding, and every ISA must still equal the reference on those blocks,
- * in every kernel layout. The clamps that the proof in quant_avx512.c says cannot bind are
- * checked never to bind in the same search. */
+/* ---- clamps and the half-step bound at a block's ends ----------------------------------------
+ * A bf16 scale rounds up, so the clamps that quant_avx512.c leaves out cannot bind with
+ * either scale dtype, and no element ends up more than half a step (of the stored scale,
+ * plus fp32 rounding) from its dequantized value. Blocks are searched at random, by the
+ * formulas of autoxla.h written out here: ranges of every size, one-sign blocks (lo = 0 or
+ * hi = 0, where a scale rounded down would cost most), tiny ranges whose scales are
+ * subnormal (bf16 subnormals from 2^-128 (1 + 2^-5) up), and blocks built so that the one
+ * clamp that can bind (asymmetric, above qmax: both ends are ties rounding away) does. Every
+ * block's ends must stay within the bound, only that clamp may bind and it must be found;
+ * then every ISA must equal the reference on the blocks kept (check_formulas checks the
+ * bound on every element), in every kernel layout. */
 
-enum { ABOVE = 1, BELOW = 2, ZP_CLAMPED = 4, SUBNORMAL_SCALE = 8 };
+enum { ABOVE = 1, BELOW = 2, ZP_CLAMPED = 4, SUBNORMAL_SCALE = 8, ONE_SIGN = 16, BOUND = 32 };
 
 /* What the unclamped values of a block with range [lo, hi] (lo <= 0 <= hi; symmetric:
  * lo = -hi) reach: ABOVE (nearbyint(x * inv) + zp > qmax for x = hi), BELOW (< qmin for
- * x = lo), ZP_CLAMPED, and SUBNORMAL_SCALE (a kept scale below 2^-126). 0 for a zero block. */
+ * x = lo), ZP_CLAMPED, SUBNORMAL_SCALE (a kept scale below 2^-126), ONE_SIGN (lo or hi is 0),
+ * and BOUND if lo or hi ends up more than scale (1/2 + 2^-13) + 2^-149 from its dequantized
+ * value. 0 for a zero block. */
 static int clamp_hits(float lo, float hi, int bits, int symmetric, int scale_dtype) {
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
     const float s = symmetric ? hi / (float)qmax : (hi - lo) / (float)(qmax - qmin);
@@ -675,6 +686,7 @@ static int clamp_hits(float lo, float hi, int bits, int symmetric, int scale_dty
     const float inv = scale > 0 ? 1.0f / scale : INFINITY;
     if (isinf(inv)) return 0;
     int32_t zp = 0, hits = scale < 0x1p-126f ? SUBNORMAL_SCALE : 0;
+    if (!symmetric && (lo == 0 || hi == 0)) hits |= ONE_SIGN;
     if (!symmetric) {
         zp = qmin - (int32_t)nearbyintf(lo * inv);
         if (zp > qmax) {
@@ -682,8 +694,16 @@ static int clamp_hits(float lo, float hi, int bits, int symmetric, int scale_dty
             hits |= ZP_CLAMPED;
         }
     }
-    if ((int32_t)nearbyintf(hi * inv) + zp > qmax) hits |= ABOVE;
-    if ((int32_t)nearbyintf(lo * inv) + zp < qmin) hits |= BELOW;
+    const float ends[2] = {lo, hi};
+    for (int e = 0; e < 2; e++) {
+        int32_t v = (int32_t)nearbyintf(ends[e] * inv) + zp;
+        if (v > qmax) hits |= ABOVE;
+        if (v < qmin) hits |= BELOW;
+        v = v < qmin ? qmin : v > qmax ? qmax : v;
+        const float dq = (float)(v - zp) * scale;
+        if (fabs((double)ends[e] - (double)dq) > scale * (0.5 + 1.0 / 8192) + 0x1p-149)
+            hits |= BOUND;
+    }
     return hits;
 }
 
@@ -695,11 +715,11 @@ static float random_magnitude(int dtype, float e0, float e1) {
     return get(buf, dtype, 0);
 }
 
-#define WITNESSES 6
+#define WITNESSES 4
 
 typedef struct witness_set {
     int n;
-    float lo[WITNESSES * 4], hi[WITNESSES * 4];
+    float lo[WITNESSES * 8], hi[WITNESSES * 8];
 } witness_set;
 
 /* Fills a (rows, cols) weight of dtype whose row r holds, in each of its blocks of `block`,
@@ -724,6 +744,23 @@ static void *witness_weight(const witness_set *ws, int dtype, int64_t rows, int6
     return w;
 }
 
+/* An asymmetric block whose scale is exactly the power of two 2^e (a bf16 value, so it is
+ * not rounded) and whose ends are ties that both round away from the middle: lo * inv =
+ * -(L + 1/2) with L odd, hi * inv = qmax - qmin - L - 1/2. Then zp = qmin + L + 1 and hi
+ * lands on qmax + 1: the upper clamp binds, and hi is exactly half a step from qmax's value.
+ * Returns 0 if lo or hi is not a value of dtype. */
+static int tie_block(int dtype, int bits, float *lo, float *hi) {
+    const int32_t span = bits == 8 ? 255 : 15;
+    const int L = 2 * (int)(rng_u32() % (uint64_t)(span / 2)) + 1; /* odd, 1 .. span - 2 */
+    const float step = exp2f((float)(int)(rng_u32() % 16) - 10);
+    float buf[2];
+    *lo = -((float)L + 0.5f) * step;
+    *hi = ((float)(span - L) - 0.5f) * step;
+    put(buf, dtype, 0, *lo);
+    put(buf, dtype, 1, *hi);
+    return get(buf, dtype, 0) == *lo && get(buf, dtype, 1) == *hi;
+}
+
 static void test_clamps_bind(void) {
     /* Kernel layouts: per-channel rows of 32 and 64 (the AVX-512 kernel's fixed block sizes),
      * 96 (its general one), 40 (its masked kernel, AVX2's scalar tail), and blocks of 32 and
@@ -733,48 +770,50 @@ static void test_clamps_bind(void) {
         const int dt = float_dtypes[a];
         for (int f = 0; f < 8; f++) {
             const int bits = f & 1 ? 4 : 8, symmetric = (f >> 1) & 1, sd = scale_dtypes[f >> 2];
-            /* Search: random block ranges, sized for the clamps this format could reach. */
+            /* Search: random block ranges; a few blocks of each kind are kept. */
             witness_set ws = {0};
-            int seen = 0, counts[16] = {0};
-            for (int t = 0; t < 40000 && ws.n < WITNESSES * 4; t++) {
+            int seen = 0, counts[64] = {0}, ties = 0;
+            for (int t = 0; t < 40000; t++) {
                 float lo, hi;
-                if (symmetric) { /* int8 with bf16 scales binds only for subnormal scales */
-                    if (dt == AXL_F16) /* none: f16 values are far larger */
-                        hi = random_magnitude(dt, -14, 15);
-                    else
-                        hi = t % 2 ? random_magnitude(dt, -123, -117)
-                                   : random_magnitude(dt, -30, 30);
+                const int tiny = t % 4 == 1 && dt != AXL_F16; /* f16 has no such tiny values */
+                if (!symmetric && t % 4 == 3) {
+                    if (!tie_block(dt, bits, &lo, &hi)) continue;
+                    ties++;
+                } else if (symmetric) {
+                    const float e0 = bits == 8 ? -123 : -126; /* s around 2^-128 */
+                    hi = tiny ? random_magnitude(dt, e0, e0 + 6)
+                              : dt == AXL_F16 ? random_magnitude(dt, -14, 15)
+                                              : random_magnitude(dt, -30, 30);
                     lo = -hi;
                 } else {
-                    lo = t % 3 == 1 ? 0 : -random_magnitude(dt, -1, 2);
-                    hi = t % 3 == 2 ? 0 : random_magnitude(dt, -1, 2);
+                    const float e0 = tiny ? -127 : -1, e1 = tiny ? -117 : 2;
+                    lo = t % 3 == 1 ? 0 : -random_magnitude(dt, e0, e1);
+                    hi = t % 3 == 2 ? 0 : random_magnitude(dt, e0, e1);
                 }
                 int h = clamp_hits(lo, hi, bits, symmetric, sd);
-                seen |= h & (ABOVE | BELOW | ZP_CLAMPED);
-                counts[h & 7]++;
-                /* Keep blocks on which a clamp binds, a few of each kind. */
-                if ((h & (ABOVE | BELOW)) && counts[h & 7] <= WITNESSES) {
+                seen |= h;
+                CHECK_MSG(!(h & BOUND), "%s int%d %s %s: block [%a, %a]: an end is more than "
+                          "half a step from its value", dtype_names[dt], bits,
+                          symmetric ? "sym" : "asym", scale_name(sd), lo, hi);
+                /* Keep a few blocks of each kind. */
+                if (h && ++counts[h & 63] <= WITNESSES && ws.n < WITNESSES * 8) {
                     ws.lo[ws.n] = lo;
                     ws.hi[ws.n] = hi;
                     ws.n++;
                 }
             }
             /* What the proof in quant_avx512.c allows, and what must be found. */
-            int may = 0, must = 0;
-            if (sd == AXL_BF16 && bits == 8 && symmetric)
-                may = must = dt == AXL_F16 ? 0 : ABOVE | BELOW; /* f16 has no such tiny values */
-            else if (sd == AXL_BF16 && bits == 8)
-                /* With a bf16 source the zero point never clamps (for normal scales): with
-                 * lo = -m 2^e (128 <= m <= 255), s >= |lo| / 255 > (m + 1/2) 2^(e-8), so the
-                 * bf16 scale is at least (m + 1) 2^(e-8) and |lo| * inv <= 256 m / (m + 1)
-                 * <= 255. The search checks that it finds no such block. */
-                may = must = dt == AXL_BF16 ? ABOVE : ABOVE | BELOW | ZP_CLAMPED;
-            else if (!symmetric)
-                may = ABOVE, must = sd == AXL_BF16 ? ABOVE : 0; /* f32: too rare to find */
-            CHECK_MSG((seen & ~may) == 0 && (seen & must) == must,
-                      "%s int%d %s %s: clamps binding 0x%x, allowed 0x%x, required 0x%x",
+            const int may = symmetric ? 0 : ABOVE, must = may;
+            const int found = seen & (ABOVE | BELOW | ZP_CLAMPED);
+            CHECK_MSG((found & ~may) == 0 && (found & must) == must && (symmetric || ties > 10),
+                      "%s int%d %s %s: clamps binding 0x%x, allowed 0x%x, required 0x%x "
+                      "(%d tie blocks)", dtype_names[dt], bits, symmetric ? "sym" : "asym",
+                      scale_name(sd), found, may, must, ties);
+            /* The search reached one-sign blocks and (but with f16) subnormal scales. */
+            const int kinds = (symmetric ? 0 : ONE_SIGN) | (dt == AXL_F16 ? 0 : SUBNORMAL_SCALE);
+            CHECK_MSG((seen & kinds) == kinds, "%s int%d %s %s: kinds 0x%x, want 0x%x",
                       dtype_names[dt], bits, symmetric ? "sym" : "asym", scale_name(sd), seen,
-                      may, must);
+                      kinds);
             if (!ws.n) continue;
             /* Every ISA equals the reference on them, with both scale dtypes. */
             for (size_t l = 0; l < sizeof layouts / sizeof *layouts; l++) {
@@ -832,24 +871,46 @@ static void test_zero_and_tiny(void) {
     }
     /* signal 0 < noise cannot happen (a zero block is exact); a row of 2^-149 values with
      * int4 symmetric: scale 2^-149 / 7 underflows to 0, the row becomes zeros, SQNR 0 dB.
-     * Then int8 symmetric with amax = 127 * 2^-128 (1 + 2^-7) = 16383 * 2^-135: the f32 scale
-     * 129 * 2^-135 is kept (its reciprocal is finite), but it rounds to the bf16 2^-128, whose
-     * reciprocal 2^128 overflows: with bf16 scales the row becomes zeros. */
+     * Then int8 symmetric at the edge of the zero blocks, which is s <= 2^-128 with either
+     * scale dtype (a bf16 scale rounds up, to at least 2^-128 (1 + 2^-5) if s > 2^-128):
+     *   amax = 127 * 2^-128: s = 2^-128, whose reciprocal 2^128 overflows: zeros.
+     *   amax = 127 * 2^-128 + 2^-142: s = 2^-128 + 2^-149 (1/s is finite), which rounds up
+     *     to the bf16 33 * 2^-133: q = amax * inv = 123.15 -> 123 (f32: 127).
+     *   amax = 16383 * 2^-135: s = 129 * 2^-135, rounds up to the bf16 33 * 2^-133:
+     *     q = 16383 / 132 = 124.11 -> 124 (f32: 127).
+     * A kept block's error stays within half a step of its stored scale. */
     float tiny[32];
-    const float amaxes[] = {0x1p-149f, 0x1.fff8p-122f};
-    for (size_t a = 0; a < sizeof amaxes / sizeof *amaxes; a++)
+    const struct {
+        float amax, f32_scale, bf16_scale;
+        int32_t f32_q, bf16_q;
+    } tinies[] = {
+        {0x1p-149f, 0, 0, 0, 0},
+        {0x1.fcp-122f, 0, 0, 0, 0},
+        {0x1.fc001p-122f, 0x1.000008p-128f, 0x1.08p-128f, 127, 123},
+        {0x1.fff8p-122f, 0x1.02p-128f, 0x1.08p-128f, 127, 124},
+    };
+    for (size_t a = 0; a < sizeof tinies / sizeof *tinies; a++)
         for (int sd = 0; sd < 2; sd++) {
-            for (int k = 0; k < 32; k++) tiny[k] = amaxes[a];
-            qres r;
-            qres_init(&r, 1, 32, a == 0 ? 4 : 8, 32, scale_dtypes[sd]);
-            CHECK_EQ(run_quantize(tiny, AXL_F32, 1, 32, 1, &r, 1, AXL_ISA_AUTO), AXL_OK);
-            const float s = amaxes[a] / (r.bits == 8 ? 127.0f : 7.0f);
-            const int zeros = a == 0 || sd == 1;
-            CHECK_MSG(zeros ? scale_at(&r, 0) == 0 && r.max_err[0] == amaxes[a] && r.sqnr[0] == 0.0f
-                            : scale_at(&r, 0) == s && s > 0 && q_at(&r, 0, 0) == 127,
-                      "tiny %zu %s: scale %a, max_err %a, sqnr %g", a, scale_name(scale_dtypes[sd]),
-                      scale_at(&r, 0), r.max_err[0], r.sqnr[0]);
-            qres_free(&r);
+            for (int k = 0; k < 32; k++) tiny[k] = k % 2 ? -tinies[a].amax : tinies[a].amax;
+            for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+                if (!isa_available(isa)) continue;
+                qres r;
+                qres_init(&r, 1, 32, a == 0 ? 4 : 8, 32, scale_dtypes[sd]);
+                CHECK_EQ(run_quantize(tiny, AXL_F32, 1, 32, 1, &r, 1, isa), AXL_OK);
+                const float s = sd ? tinies[a].bf16_scale : tinies[a].f32_scale;
+                const int32_t want_q = sd ? tinies[a].bf16_q : tinies[a].f32_q;
+                const int ok =
+                    s == 0 ? scale_at(&r, 0) == 0 && r.max_err[0] == tinies[a].amax &&
+                                 r.sqnr[0] == 0.0f
+                           : scale_at(&r, 0) == s && q_at(&r, 0, 0) == want_q &&
+                                 q_at(&r, 0, 1) == -want_q &&
+                                 r.max_err[0] <= s * (0.5 + 1.0 / 8192) &&
+                                 r.max_err[0] == fabsf(tinies[a].amax - (float)want_q * s);
+                CHECK_MSG(ok, "tiny %zu %s isa %s: scale %a q %d, max_err %a, sqnr %g", a,
+                          scale_name(scale_dtypes[sd]), axl_isa_name(isa), scale_at(&r, 0),
+                          q_at(&r, 0, 0), r.max_err[0], r.sqnr[0]);
+                qres_free(&r);
+            }
         }
 }
 

@@ -3,9 +3,9 @@
 Property tests (Hypothesis) over random shapes, odd widths included, the three source dtypes,
 every format (8/4 bits x symmetric/asymmetric x per-channel/blocks of 32..1024) and both scale
 dtypes (float32, bfloat16):
-  (a) the error bound: every element within half a quantization step (plus the named
-      rounding allowances below, and the range a bfloat16 scale loses) of its dequantized
-      value;
+  (a) the error bound: every element within half a quantization step of the stored scale
+      (plus the named rounding allowances below) of its dequantized value, with either scale
+      dtype (a bfloat16 scale is the float32 one rounded up, so the block's range fits);
   (b) the C core equals the reference element for element (q, scale, zero point,
       dequantized values in every dtype; max_err exactly, sqnr_db to float64 rounding);
   (c) every ISA this CPU has equals the scalar one bit for bit, statistics included.
@@ -51,20 +51,16 @@ ISAS = _native.available_isas()
 SCALE_ROUNDING = 2.0**-13
 # A product (q - zp) * scale in the subnormal range is rounded to a multiple of 2^-149.
 SUBNORMAL_SLACK = 2.0**-149
-# A bfloat16 scale rounds the float32 one s to nearest even: up, which only shrinks the step
-# relative to the range, or down, by up to 2^-8 relative (2^-6 for the smallest kept scales,
-# bfloat16 subnormals >= 2^-128 (1 + 2^-5)). Then the grid of (qmax - qmin) steps spans less
-# than the block's range and the clamps bind: an element beyond the grid's end is up to
-# LOST_RANGE = span * max(0, s - scale) further from its dequantized value, span = qmax - qmin
-# (asymmetric: the zero point anchors lo within half a step, hi may lie that far beyond the
-# top; or, when the zero point is clamped, lo beyond the bottom) or qmax (symmetric: +-amax).
-# The float32 roundings of s itself (2^-22 relative at worst, times span) stay within
-# SCALE_ROUNDING: an element whose clamp binds is at least half a step beyond the grid's end,
-# so its error never uses the half step in the bound.
-# A block whose scale underflows to 0 or whose 1/scale overflows (scale < ~2^-128) is stored
-# as zeros; its elements are below qmax * 2^-128 < 2^-120 in magnitude (asymmetric: 2^-119.9;
-# with a bfloat16 scale, which rounds to 2^-128 from up to 2^-128 (1 + 2^-6): 2^-119.98).
-ZERO_BLOCK_MAX = 2.0**-119
+# A bfloat16 scale is the float32 one s rounded UP (the smallest bfloat16 >= s): never
+# smaller than s, so the grid of (qmax - qmin) steps still spans the block's range and the
+# same bound holds (the analysis above only needs scale >= s; it merely coarsens the grid, by
+# up to 2^-8 relative, 2^-5 for the smallest kept scales, bfloat16 subnormals >= 2^-128 (1 +
+# 2^-5)). Not a single element is exempt.
+# A block whose scale underflows to 0 or whose 1/scale overflows is stored as zeros: that is
+# exactly s <= 2^-128, with either scale dtype (a bfloat16 scale rounds up to at least
+# 2^-128 (1 + 2^-5) from any s > 2^-128); its elements are below 255 * 2^-128 (1 + 2^-22)
+# < 2^-120 in magnitude.
+ZERO_BLOCK_MAX = 2.0**-120
 # Rounding the float32 dequantized value y to bf16 / f16 adds half an ulp: relative 2^-8 /
 # 2^-11, and in the subnormal range an absolute half of the smallest subnormal.
 OUT_ROUNDING = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 2.0**-134),
@@ -199,18 +195,17 @@ def test_error_within_half_a_step(c):
 
     scale = per_element(r.scale)
     kept = scale > 0
-    # The float32 scale before any rounding to bfloat16 (the reference with float32 scales).
+    # The float32 scale before any rounding to bfloat16 (the reference with float32 scales):
+    # a kept bfloat16 scale is the smallest bfloat16 >= it.
     s32 = per_element(reference(c, w, torch.float32)[1])
-    qmin, qmax = -QMAX[c.bits] - (0 if c.symmetric else 1), QMAX[c.bits]
-    span = qmax if c.symmetric else qmax - qmin
-    lost = span * (s32 - scale).clamp(min=0)  # LOST_RANGE; 0 with float32 scales
-    if c.scale_dtype == torch.float32:
-        assert torch.equal(lost, torch.zeros_like(lost))
+    if c.scale_dtype == torch.bfloat16:
+        below = (r.scale.view(torch.int16).to(torch.int32) - 1).to(torch.int16)
+        below = per_element(below.view(torch.bfloat16))
+        assert ((s32 <= scale) & ((below < s32) | (scale == s32)))[kept].all(), c
     for dtype in DTYPES:
         y = dequant(c, r, dtype).to(torch.float64)
         rel, absolute = OUT_ROUNDING[dtype]
-        bound = (scale * (0.5 + SCALE_ROUNDING) + SUBNORMAL_SLACK + lost + y.abs() * rel
-                 + absolute)
+        bound = scale * (0.5 + SCALE_ROUNDING) + SUBNORMAL_SLACK + y.abs() * rel + absolute
         bound = torch.where(kept, bound, torch.full_like(bound, ZERO_BLOCK_MAX))
         err = (x - y).abs()
         checked = y.abs() <= 65504 if dtype == torch.float16 else torch.ones_like(kept)
@@ -311,23 +306,25 @@ def test_int4_nibble_order_golden_bytes():
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_bfloat16_scale_golden_values(isa):
-    """The scale is rounded to bfloat16 (nearest even) first, and that rounded scale is used:
-    worked out by hand (as in csrc/tests/test_quant.c), padded to 32 columns too (the same
-    values; zeros quantize to the zero point) for the AVX-512 kernel's unmasked path."""
+    """The scale is rounded UP to bfloat16 first (not to nearest, as .to(torch.bfloat16)
+    would), and that rounded scale is used: worked out by hand (as in csrc/tests/test_quant.c),
+    padded to 32 columns too (the same values; zeros quantize to the zero point) for the
+    AVX-512 kernel's unmasked path."""
     bf16 = torch.bfloat16
     cases = [
         # int8 symmetric: 100 / 127 = 0x3F4992A5 rounds up to 0x3F4A = 0.7890625, so 50 ->
         # 63.37 -> 63 (the float32 scale gives 63.5 -> 64).
         ([100.0, -37.5, 0.4, 63.0, 50.0], True, 0.7890625, 0, [127, -48, 1, 80, 63]),
         # int8 asymmetric: lo = -255 (1 + 3 * 2^-10), hi 0: the scale 1 + 3 * 2^-10 rounds
-        # DOWN to 1.0, lo * inv = -255.75 -> -256, so zp = 128 is clamped to 127 and lo to
-        # -129 -> -128 (both clamps bind).
-        ([-255.7470703125, 0.0, -50.6, -0.625, -100.5], False, 1.0, 127,
-         [-128, 127, 76, 126, 27]),
-        # int8 symmetric, a subnormal bfloat16 scale: amax = 132 * 2^-128, scale 33 * 2^-133
-        # (bits 0x0021): amax * inv = 128, clamped to 127.
+        # UP to 1.0078125 (to nearest: down to 1.0, and both clamps would bind), lo * inv =
+        # -253.76 -> -254, so zp = -128 + 254 = 126 and lo -> -128; -50.6 -> -50.21 -> 76,
+        # -0.625 -> -0.62 -> 125, -100.5 -> -99.72 -> 26.
+        ([-255.7470703125, 0.0, -50.6, -0.625, -100.5], False, 1.0078125, 126,
+         [-128, 126, 76, 125, 26]),
+        # int8 symmetric, a subnormal bfloat16 scale: amax = 132 * 2^-128, s = 33.26 * 2^-133
+        # rounds up to 34 * 2^-133 (bits 0x0022): amax * inv = 132 * 32 / 34 = 124.24 -> 124.
         ([132 * 2.0**-128, -132 * 2.0**-128, 66 * 2.0**-128, -33 * 2.0**-128], True,
-         33 * 2.0**-133, 0, [127, -127, 64, -32]),
+         34 * 2.0**-133, 0, [124, -124, 62, -31]),
     ]
     for values, symmetric, scale, zp, q in cases:
         for cols in (len(values), 32):
@@ -342,7 +339,13 @@ def test_bfloat16_scale_golden_values(isa):
             assert_same(r.q, want_q, "q")
             assert_same(r.scale, want_scale, "scale")
             assert_same(r.zero_point, want_zp, "zero_point")
-    assert torch.tensor([33 * 2.0**-133]).to(bf16).view(torch.int16).item() == 0x0021
+            # Every element within half a step: the range fits the rounded-up scale's grid.
+            y = _native.dequantize(r.q, r.scale, r.zero_point, bits=8, cols=cols, block_size=-1)
+            assert float((w - y).abs().max()) <= scale / 2, (values, isa)
+    assert torch.tensor([34 * 2.0**-133]).to(bf16).view(torch.int16).item() == 0x0022
+    # Round to nearest would have given 1.0 and 33 * 2^-133 for the last two.
+    assert torch.tensor([1.0029296875, 33.26 * 2.0**-133]).to(bf16).float().tolist() == [
+        1.0, 33 * 2.0**-133]
 
 
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
