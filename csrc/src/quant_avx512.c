@@ -102,6 +102,37 @@ AXL_AVX512 INLINE void store_scales(void *scales, int scale_dtype, int64_t g0, _
                                           _mm512_srli_epi32(_mm512_castps_si512(s), 16));
 }
 
+/* Set-up of up to CHUNK blocks at once (lanes in `valid`), as axl_qparams_sym /
+ * axl_qparams_asym: from the fp32 scales s (and, asymmetric, the blocks' lo), the stored
+ * scales (rounded to f->scale_dtype), their reciprocals (0 for a zero block), the zero points;
+ * stores scales and zero points for blocks g0.., and spills inv, scale and zp for pass 2. */
+AXL_AVX512 INLINE void block_setup(__m512 s, __m512 lo, __mmask16 valid, const axl_qformat *f,
+                                   int symmetric, int32_t qmin, int32_t qmax, void *scales,
+                                   int8_t *zp,
+                                   int64_t g0, float inv[CHUNK], float scale[CHUNK],
+                                   int32_t zpi[CHUNK]) {
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    s = round_scales(s, f->scale_dtype);
+    __mmask16 pos = _mm512_mask_cmp_ps_mask(valid, s, zero, _CMP_GT_OQ);
+    __m512 r = _mm512_maskz_div_ps(pos, one, s);
+    __mmask16 ok = _mm512_mask_cmp_ps_mask(pos, r, inf, _CMP_LT_OQ);
+    s = _mm512_maskz_mov_ps(ok, s);
+    r = _mm512_maskz_mov_ps(ok, r);
+    __m512i z = _mm512_setzero_si512();
+    if (!symmetric) {
+        const __m512i qmin_v = _mm512_set1_epi32(qmin), qmax_v = _mm512_set1_epi32(qmax);
+        z = _mm512_sub_epi32(qmin_v, _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, r), RNE));
+        z = _mm512_min_epi32(_mm512_max_epi32(z, qmin_v), qmax_v);
+        z = _mm512_maskz_mov_epi32(ok, z);
+    }
+    store_scales(scales, f->scale_dtype, g0, valid, s);
+    if (zp) _mm512_mask_cvtepi32_storeu_epi8(zp + g0, valid, z);
+    _mm512_storeu_ps(inv, r);
+    _mm512_storeu_ps(scale, s);
+    _mm512_storeu_si512(zpi, z);
+}
+
 /* Any block size, 16 elements per step with masked tails: for per-channel rows whose width
  * is not a multiple of 32. Clamps everything, as the reference does. See axl_quant_row_fn in
  * internal.h. */
@@ -113,7 +144,7 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
     const __m512i qmin_v = _mm512_set1_epi32(qmin), qmax_v = _mm512_set1_epi32(qmax);
     const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 zero = _mm512_setzero_ps();
     const __m512 inf = _mm512_set1_ps(INFINITY);
     int8_t *q8 = q;
     uint8_t *q4 = q;
@@ -150,7 +181,6 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
 
         /* Set-up of the nb blocks at once, as axl_qparams_sym / axl_qparams_asym. */
         __m512 s;
-        __m512i z = _mm512_setzero_si512();
         if (symmetric) {
             s = _mm512_div_ps(_mm512_castsi512_ps(av), _mm512_set1_ps((float)qmax));
         } else {
@@ -158,25 +188,10 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
             s = _mm512_div_ps(_mm512_sub_ps(u, l), _mm512_set1_ps((float)(qmax - qmin)));
             if (_mm512_mask_cmp_ps_mask(valid, s, inf, _CMP_EQ_OQ)) return 1;
         }
-        s = round_scales(s, f->scale_dtype);
-        __mmask16 pos = _mm512_mask_cmp_ps_mask(valid, s, zero, _CMP_GT_OQ);
-        __m512 r = _mm512_maskz_div_ps(pos, one, s);
-        __mmask16 ok = _mm512_mask_cmp_ps_mask(pos, r, inf, _CMP_LT_OQ);
-        s = _mm512_maskz_mov_ps(ok, s);
-        r = _mm512_maskz_mov_ps(ok, r);
-        if (!symmetric) {
-            __m512 l = _mm512_maskz_loadu_ps(valid, lo);
-            z = _mm512_sub_epi32(qmin_v, _mm512_cvt_roundps_epi32(_mm512_mul_ps(l, r), RNE));
-            z = _mm512_min_epi32(_mm512_max_epi32(z, qmin_v), qmax_v);
-            z = _mm512_maskz_mov_epi32(ok, z);
-        }
-        store_scales(scales, f->scale_dtype, g0, valid, s);
-        if (zp) _mm512_mask_cvtepi32_storeu_epi8(zp + g0, valid, z);
         float inv[CHUNK], scale[CHUNK];
         int32_t zpi[CHUNK];
-        _mm512_storeu_ps(inv, r);
-        _mm512_storeu_ps(scale, s);
-        _mm512_storeu_si512(zpi, z);
+        block_setup(s, symmetric ? zero : _mm512_maskz_loadu_ps(valid, lo), valid, f, symmetric,
+                    qmin, qmax, scales, zp, g0, inv, scale, zpi);
 
         /* Pass 2: the values and statistics, from cache. */
         for (int b = 0; b < nb; b++) {
@@ -482,7 +497,7 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
     const int64_t block = fixed_block ? fixed_block : f->block, groups = f->groups;
     const int eo = EVEN_ODD(src_dtype), wide = src_dtype == AXL_F32;
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
-    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    const __m512 zero = _mm512_setzero_ps();
     const __m512 inf = _mm512_set1_ps(INFINITY);
     /* Bits (as keys) of +Inf and -Inf: beyond them lie NaNs. */
     const int32_t pos_inf = wide ? 0x7F800000 : src_dtype == AXL_BF16 ? 0x7F80 : 0x7C00;
@@ -582,26 +597,9 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
             s = _mm512_div_ps(_mm512_sub_ps(hi, lo), _mm512_set1_ps((float)(qmax - qmin)));
             if (_mm512_mask_cmp_ps_mask(valid, s, inf, _CMP_EQ_OQ)) return 1;
         }
-        s = round_scales(s, f->scale_dtype);
-        __mmask16 pos = _mm512_mask_cmp_ps_mask(valid, s, zero, _CMP_GT_OQ);
-        __m512 r = _mm512_maskz_div_ps(pos, one, s);
-        __mmask16 ok = _mm512_mask_cmp_ps_mask(pos, r, inf, _CMP_LT_OQ);
-        s = _mm512_maskz_mov_ps(ok, s);
-        r = _mm512_maskz_mov_ps(ok, r);
-        __m512i z = _mm512_setzero_si512();
-        if (!symmetric) {
-            const __m512i qmin_v = _mm512_set1_epi32(qmin), qmax_v = _mm512_set1_epi32(qmax);
-            z = _mm512_sub_epi32(qmin_v, _mm512_cvt_roundps_epi32(_mm512_mul_ps(lo, r), RNE));
-            z = _mm512_min_epi32(_mm512_max_epi32(z, qmin_v), qmax_v);
-            z = _mm512_maskz_mov_epi32(ok, z);
-        }
-        store_scales(scales, f->scale_dtype, g0, valid, s);
-        if (zp) _mm512_mask_cvtepi32_storeu_epi8(zp + g0, valid, z);
         float inv[CHUNK], scale[CHUNK];
         int32_t zpi[CHUNK];
-        _mm512_storeu_ps(inv, r);
-        _mm512_storeu_ps(scale, s);
-        _mm512_storeu_si512(zpi, z);
+        block_setup(s, lo, valid, f, symmetric, qmin, qmax, scales, zp, g0, inv, scale, zpi);
 
         /* Pass 2: the values and statistics, from cache. Meanwhile the lines pass 1 reads
          * next (the next chunk, or row: rows are contiguous) are prefetched, so the memory
