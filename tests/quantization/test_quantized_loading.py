@@ -213,3 +213,19 @@ def test_int4_forward_stays_on_device_and_compiles_once(checkpoints, batch, xla_
         assert backend.compile_count() == compiles, "the second forward compiled again"
         assert backend.transfers_from_device() == transfers, "the forward read from the devices"
     assert torch.equal(first.cpu(), second.cpu())
+
+
+def test_model_quantizer_on_a_loaded_xla_model(checkpoints, reference_models, batch, xla_devices):
+    # ModelQuantizer also takes a model whose weights are already on the XLA devices: each weight
+    # comes back to the host for the C engine and its quantized tensors go back to the device.
+    ids, mask = batch
+    model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], sharding_strategy="fsdp")
+    _quiet(ModelQuantizer(QuantizationConfig(n_bits=8)).quantize_model, model)
+    layer = model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear) and layer.weight.device.type == "xla"
+    dev = backend.device()
+    with torch.no_grad():
+        out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu()
+        ref = reference_models("llama")(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert _sqnr_db(ref[valid], out[valid]) >= SQNR_FLOOR_DB[8]
