@@ -169,12 +169,17 @@ def fsdpv2():
     return SpmdFullyShardedDataParallel, transformer_auto_wrap_policy, checkpoint_module
 
 
-def compile_count() -> int:
-    """Number of XLA compilations so far in this process."""
+def _metric_count(name: str) -> int:
+    """How many samples torch_xla's metric ``name`` has recorded in this process."""
     _xla()
     import torch_xla.debug.metrics as met
-    data = met.metric_data("CompileTime")
+    data = met.metric_data(name)
     return int(data[0]) if data else 0
+
+
+def compile_count() -> int:
+    """Number of XLA compilations so far in this process."""
+    return _metric_count("CompileTime")
 
 
 def on_tpu() -> bool:
@@ -209,7 +214,4 @@ def pallas_quantized_matmul():
 
 def transfers_from_device() -> int:
     """Number of device-to-host transfers so far in this process (torch_xla's metrics)."""
-    _xla()
-    import torch_xla.debug.metrics as met
-    data = met.metric_data("TransferFromDeviceTime")
-    return int(data[0]) if data else 0
+    return _metric_count("TransferFromDeviceTime")

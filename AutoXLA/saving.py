@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .loading.checkpoint import SAFE_INDEX, SAFE_SINGLE
+from .sharding.plan import persistent_buffer_names
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -40,11 +41,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer, each storage once (tied weights keep the first name,
     which transformers ties the others to when it loads)."""
-    persistent = set()
-    for mod_name, mod in model.named_modules():
-        for b in mod._buffers:
-            if b not in mod._non_persistent_buffers_set:
-                persistent.add(f"{mod_name}.{b}" if mod_name else b)
+    persistent = persistent_buffer_names(model)
     out, seen = {}, set()
     named = list(model.named_parameters(remove_duplicate=False))
     named += [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent]

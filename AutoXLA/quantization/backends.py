@@ -81,7 +81,7 @@ def pallas_arguments(layer, x: torch.Tensor) -> tuple[tuple, dict]:
     """
     from .linear import integer_weight
 
-    w = integer_weight(layer.weight, layer.fmt).to(torch.int8)
+    w = integer_weight(layer.weight, layer.quant_format).to(torch.int8)
     x2 = x.reshape(-1, x.shape[-1])
     scale = layer.weight_scale.reshape(-1).to(torch.float32)
     return (x2, w, scale), {"quantize_activation": layer.quantize_activation}

@@ -17,8 +17,8 @@ from torch import nn
 
 from .config import LayerFormat
 
-# Scales are stored in bfloat16: the C engine rounds each fp32 scale to bf16 and computes the
-# quantized values from the rounded scale, so the error bound is unchanged, and a small layer's
+# Scales are stored in bfloat16: the C engine rounds each fp32 scale up to bf16 and computes the
+# quantized values from the stored scale, so every value stays within half a step, and a small layer's
 # scales cost half of what fp32 would (docs/quantization.md).
 SCALE_DTYPE = torch.bfloat16
 
@@ -27,7 +27,8 @@ class QuantizedLinear(nn.Module):
     def __init__(self, fmt: LayerFormat, bias: bool, backend: str, quantize_activation: bool = False,
                  dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        self.fmt = fmt
+        # The sharding rules recognise a quantized linear by this attribute (rules.classify).
+        self.quant_format = fmt
         self.in_features, self.out_features = fmt.in_features, fmt.out_features
         self.backend = backend
         self.quantize_activation = quantize_activation
@@ -42,11 +43,6 @@ class QuantizedLinear(nn.Module):
             self.weight_zero_point = None
         self.bias = nn.Parameter(torch.zeros(fmt.out_features, dtype=dtype, device=device)) if bias else None
 
-    # The sharding rules recognise a quantized linear by this attribute (rules.classify).
-    @property
-    def quant_format(self) -> LayerFormat:
-        return self.fmt
-
     def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                        bias: torch.Tensor | None = None) -> None:
         """Install quantized tensors (e.g. from the C engine) in place of the zero buffers."""
@@ -56,13 +52,14 @@ class QuantizedLinear(nn.Module):
                 continue
             if value is None or tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
                 raise ValueError(f"{name} must be {old.dtype} of shape {tuple(old.shape)} for "
-                                 f"{self.fmt.label}, got {None if value is None else (value.dtype, tuple(value.shape))}")
+                                 f"{self.quant_format.label}, got {None if value is None else (value.dtype, tuple(value.shape))}")
             self._buffers[name] = value
         if bias is not None:
             self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad if self.bias is not None else True)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize(self.weight, self.weight_scale, self.weight_zero_point, self.fmt, dtype)
+        return dequantize(self.weight, self.weight_scale, self.weight_zero_point, self.quant_format,
+                          dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .backends import FORWARD
@@ -71,7 +68,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, format={self.fmt.label}, backend={self.backend}"
+                f"bias={self.bias is not None}, format={self.quant_format.label}, backend={self.backend}"
                 + (", W8A8" if self.quantize_activation else ""))
 
 

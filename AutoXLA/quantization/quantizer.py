@@ -174,7 +174,8 @@ class ModelQuantizer:
         report = self.plan(model, tied, on_tpu)
         report.bytes_before = _weight_bytes(model)
         for name, d in report.layers.items():
-            parent, leaf = _parent(model, name)
+            path, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(path)      # "" is the model itself
             old = getattr(parent, leaf)
             new = _quantized_like(old, d)
             if old.weight.device.type != "meta":
@@ -203,13 +204,6 @@ def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:
     if old.bias is not None:
         new.bias.requires_grad_(old.bias.requires_grad)
     return new
-
-
-def _parent(model: nn.Module, name: str):
-    if "." not in name:
-        return model, name
-    path, leaf = name.rsplit(".", 1)
-    return model.get_submodule(path), leaf
 
 
 def _shared_parameter_names(model: nn.Module) -> set[str]:

@@ -153,7 +153,7 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
     tied = dict(tied or {})
     output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     modules = dict(model.named_modules())
-    persistent = _persistent_buffer_names(model)
+    persistent = persistent_buffer_names(model)
     entries: dict[str, TensorPlan] = {}
     named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False)]
     named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
@@ -204,7 +204,8 @@ def _quant_fields(name: str, owner: nn.Module) -> dict:
     return {}
 
 
-def _persistent_buffer_names(model: nn.Module) -> set[str]:
+def persistent_buffer_names(model: nn.Module) -> set[str]:
+    """Buffers a checkpoint holds (state_dict keeps them); the others are computed in __init__."""
     names = set()
     for mod_name, mod in model.named_modules():
         for b in mod._buffers:
