@@ -1,0 +1,168 @@
+"""What AutoXLA hands torch_xla's Pallas kernels. The kernels need a TPU and never run here; these
+tests pin the translation from transformers' conventions to the kernels' arguments."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from AutoXLA.attention import AttentionConfig, tpu
+from AutoXLA.attention.hf import kernel_mask
+
+
+class FakeMesh:
+    """The two attributes of a torch_xla Mesh the translation reads, and its string."""
+
+    def __init__(self, shape, names=("data", "fsdp", "model")):
+        self.mesh_shape, self.axis_names = shape, names
+        self.device_ids = np.arange(int(np.prod(shape)))
+
+    def __str__(self):
+        return (f"{{'device_ids': {self.device_ids.tolist()}, 'mesh_shape': {self.mesh_shape}, "
+                f"'axis_names': {self.axis_names}}}")
+
+
+def _qkv(b=2, hq=8, hkv=2, s=16, d=4):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(b, hq, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g),
+            torch.randn(b, hkv, s, d, generator=g))
+
+
+def test_flash_repeats_kv_heads_in_transformers_order():
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    q, k, v = _qkv()
+    mesh = FakeMesh((1, 4, 2))
+    seg = torch.ones(2, 16, dtype=torch.int32)
+    a = tpu.flash_arguments(q, k, v, scale=0.5, causal=True, segment_ids=seg, mesh=mesh,
+                            cfg=AttentionConfig())
+    assert torch.equal(a["k"], repeat_kv(k, 4)) and torch.equal(a["v"], repeat_kv(v, 4))
+    assert a["q"] is q and a["sm_scale"] == 0.5 and a["causal"] is True
+    assert a["q_segment_ids"] is seg and a["kv_segment_ids"] is seg and a["mesh"] is mesh
+    # 8 heads divide model=2: batch over (data, fsdp), heads over model.
+    assert a["partition_spec"] == (("data", "fsdp"), "model", None, None)
+
+
+@pytest.mark.parametrize("shape,heads,spec", [
+    ((1, 8, 1), 8, (("data", "fsdp"), None, None, None)),     # no model axis to split heads on
+    ((1, 4, 2), 6, (("data", "fsdp"), "model", None, None)),
+    ((1, 1, 8), 6, (("data", "fsdp"), None, None, None)),     # 6 heads do not divide model=8
+])
+def test_partition_spec_comes_from_the_mesh(shape, heads, spec):
+    assert tpu.default_qkv_spec(heads, FakeMesh(shape)) == spec
+
+
+def test_user_partition_spec_wins():
+    q, k, v = _qkv()
+    cfg = AttentionConfig(qkv_partition_spec=[["data", "fsdp"], None, None, None])
+    a = tpu.flash_arguments(q, k, v, scale=1.0, causal=True, segment_ids=None,
+                            mesh=FakeMesh((1, 4, 2)), cfg=cfg)
+    assert a["partition_spec"] == (("data", "fsdp"), None, None, None)
+
+
+def test_flash_has_no_window_or_softcap():
+    assert tpu.flash_supports(None, None)
+    assert not tpu.flash_supports(6, None) and not tpu.flash_supports(None, 50.0)
+
+
+def test_splash_arguments():
+    from torch_xla.experimental.splash_attention import SplashAttentionConfig
+
+    q, k, v = _qkv()
+    mesh = FakeMesh((1, 8, 1))
+    seg = torch.ones(2, 16, dtype=torch.int32)
+    a = tpu.splash_arguments(q, k, v, scale=0.25, window=6, softcap=50.0, segment_ids=seg,
+                             mesh=mesh, cfg=AttentionConfig(sa_block_q=256))
+    # No sm_scale in splash: q arrives pre-scaled; k and v keep their kv heads (GQA is native).
+    assert torch.equal(a["q"], q * 0.25) and a["k"] is k and a["v"] is v
+    assert a["causal"] is True and a["attn_logits_soft_cap"] == 50.0
+    assert a["decoder_segment_ids"] is seg
+    # torch_xla parses the JSON back into its own config, mesh string included.
+    cfg = SplashAttentionConfig.from_json(a["config"])
+    assert cfg.mesh == str(mesh) and cfg.sa_block_q == 256 and cfg.sa_block_kv == 512
+    assert cfg.attentiontype_local_sliding and cfg.slide_window_size == 5
+    assert cfg.qkv_partition_spec == (("data", "fsdp"), None, None, None)
+    assert "layers" not in json.loads(a["config"])
+    full = SplashAttentionConfig.from_json(tpu.splash_arguments(
+        q, k, v, scale=1.0, window=None, softcap=None, segment_ids=None, mesh=mesh,
+        cfg=AttentionConfig())["config"])
+    assert not full.attentiontype_local_sliding and full.slide_window_size is None
+
+
+@pytest.mark.parametrize("window", [1, 3, 6, 40])
+def test_splash_mask_equals_transformers_sliding_window(window):
+    # Splash applies CausalMask & LocalMask(window_size=(w, w)) & equal segment ids, where
+    # LocalMask admits q - w <= k <= q + w (jax splash_attention_mask.make_local_attention_mask).
+    # With w = W - 1 and padding as segment ids, that is transformers' sliding-window mask on
+    # every real query row.
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    s = 20
+    padding = torch.ones(2, s, dtype=torch.bool)
+    padding[1, :5] = False                   # left padding
+    expected = sdpa_mask(batch_size=2, q_length=s, kv_length=s,
+                         mask_function=sliding_window_causal_mask_function(window),
+                         attention_mask=padding, allow_is_causal_skip=False)[:, 0]
+    q_, k_, v_ = _qkv(s=s)
+    a = tpu.splash_arguments(q_, k_, v_, scale=1.0, window=window, softcap=None,
+                             segment_ids=padding.to(torch.int32), mesh=FakeMesh((1, 8, 1)),
+                             cfg=AttentionConfig())
+    w = json.loads(a["config"])["slide_window_size"]
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    splash = (j <= i) & (i - w <= j) & (j <= i + w)
+    seg = a["decoder_segment_ids"].numpy()
+    splash = splash[None] & (seg[:, :, None] == seg[:, None, :])
+    real = padding.numpy()
+    assert np.array_equal(splash[real], expected.numpy()[real])
+
+
+def test_kernel_mask_describes_plain_masks():
+    from transformers.masking_utils import (and_masks, causal_mask_function, or_masks,
+                                            sliding_window_causal_mask_function)
+
+    pad = torch.ones(2, 10, dtype=torch.bool)
+    pad[0, :3] = False
+    m = kernel_mask(2, 10, 10, mask_function=causal_mask_function, attention_mask=pad)
+    assert m.structured and m.window is None
+    assert torch.equal(m.segment_ids, pad.to(torch.int32))
+    m = kernel_mask(2, 10, 10, mask_function=sliding_window_causal_mask_function(4),
+                    attention_mask=pad)
+    assert m.structured and m.window == 4
+    # Decoding (queries after a cache) and widened masks keep transformers' dense mask.
+    m = kernel_mask(2, 1, 10, q_offset=9, mask_function=causal_mask_function, attention_mask=pad)
+    assert not m.structured and m.dense().shape == (2, 1, 1, 10)
+    image = or_masks(causal_mask_function, lambda b, h, q, k: k < 2)
+    assert not kernel_mask(2, 10, 10, mask_function=image, attention_mask=pad).structured
+    packed = and_masks(causal_mask_function, lambda b, h, q, k: q // 5 == k // 5)
+    assert not kernel_mask(2, 10, 10, mask_function=packed, attention_mask=pad).structured
+
+
+def test_vision_models_keep_eager_and_warn_once(caplog):
+    from AutoXLA.attention import vision_attention
+    from AutoXLA.attention.hf import _WARNED
+
+    _WARNED.discard("vision-splash_attention")
+    with caplog.at_level("WARNING", logger="AutoXLA"):
+        assert vision_attention("splash_attention") == "eager"
+        assert vision_attention("splash_attention") == "eager"
+        assert vision_attention("eager") == "eager" and vision_attention(None) == "eager"
+    warnings = [r for r in caplog.records if "bidirectional" in r.getMessage()]
+    assert len(warnings) == 1 and "splash_attention" in warnings[0].getMessage()
+
+
+def test_attention_config_accepts_the_seed_dict_and_rejects_typos():
+    seed = {k: 512 for k in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute",
+                             "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute",
+                             "sa_block_q_dq", "sa_block_kv_dq")}
+    mesh = FakeMesh((1, 8, 1))
+    cfg = AttentionConfig.from_any({**seed, "mesh": str(mesh), "layers": [1, 0, 1]})
+    assert cfg.layers == (0, 1) and cfg.mesh == str(mesh)
+    assert cfg.with_mesh(mesh) is cfg
+    with pytest.raises(ValueError, match="same mesh"):
+        cfg.with_mesh(FakeMesh((1, 4, 2)))
+    with pytest.raises(ValueError, match=r"sa_layout.*valid keys"):
+        AttentionConfig.from_any({"sa_layout": "x"})
+    with pytest.raises(ValueError, match="layer indices"):
+        AttentionConfig(layers=[-1])
+    with pytest.raises(ValueError, match="sa_q_layout"):
+        AttentionConfig(sa_q_layout="ROW")
