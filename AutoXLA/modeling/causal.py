@@ -29,7 +29,9 @@ class AutoXLAModelForCausalLM:
         Keywords: auto_shard (True), sharding_strategy ("fsdp"; "dp"/"data_parallel",
         "mp"/"model_parallel", "2d", "3d"), mesh (a torch_xla Mesh with axes data, fsdp, model),
         use_fsdp_wrap, auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose,
-        dtype ("auto"), attn_implementation ("eager"), and transformers' own loading keywords.
+        dtype ("auto"), attn_implementation ("eager", "xla_flash_attention",
+        "splash_attention"), attention_config, do_quant, quantization_config, and transformers'
+        own loading keywords.
         """
         if model_args:
             raise TypeError("from_pretrained takes the path positionally and everything else "

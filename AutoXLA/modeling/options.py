@@ -8,11 +8,7 @@ import torch
 
 from ..sharding.mesh import normalize_strategy
 
-# Keywords that belong to later features: refused loudly rather than silently ignored.
-_NOT_YET = {
-    "attention_config": "attention kernels (issue 4)",
-}
-ATTENTION_IMPLEMENTATIONS = ("eager", "xla_flash_attention", "splash_attention")
+from ..attention.config import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 
 @dataclass
@@ -27,6 +23,7 @@ class LoadOptions:
     verbose: bool = False
     dtype: Any = "auto"
     attn_implementation: str = "eager"
+    attention_config: Any = None        # AttentionConfig once validated (kernels only)
     trust_remote_code: bool = False
     use_safetensors: bool | None = None
     do_quant: bool | None = None
@@ -37,12 +34,6 @@ class LoadOptions:
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "LoadOptions":
         kwargs = dict(kwargs)
-        for key, feature in _NOT_YET.items():
-            value = kwargs.pop(key, None)
-            if value not in (None, False):
-                raise NotImplementedError(
-                    f"{key}= is part of {feature}, which this version of AutoXLA does not "
-                    f"implement yet; remove {key}= to load the model unquantized with eager attention")
         if "torch_dtype" in kwargs and "dtype" not in kwargs:
             kwargs["dtype"] = kwargs.pop("torch_dtype")
         hub = {k: kwargs.pop(k) for k in ("revision", "cache_dir", "local_files_only", "token",
@@ -62,11 +53,8 @@ class LoadOptions:
         if impl not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"unknown attn_implementation {impl!r}; use one of "
                              f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
-        if impl != "eager":
-            raise NotImplementedError(
-                f"attn_implementation={impl!r} is part of attention kernels (issue 4), which this "
-                "version of AutoXLA does not implement yet; use attn_implementation='eager'")
         self.attn_implementation = impl
+        self._validate_attention()
         if self.dtype not in ("auto", None) and not isinstance(self.dtype, torch.dtype):
             if isinstance(self.dtype, str) and isinstance(getattr(torch, self.dtype, None), torch.dtype):
                 self.dtype = getattr(torch, self.dtype)
@@ -81,6 +69,17 @@ class LoadOptions:
         if (self.auto_wrap_policy or self.shard_output_callable) and not self.use_fsdp_wrap:
             raise ValueError("auto_wrap_policy and shard_output_callable configure the FSDPv2 "
                              "wrapper: pass use_fsdp_wrap=True as well")
+
+    def _validate_attention(self) -> None:
+        from ..attention import AttentionConfig
+
+        if self.attn_implementation == "eager":
+            if self.attention_config is not None:
+                raise ValueError("attention_config configures the attention kernels, but "
+                                 "attn_implementation is 'eager': pass attn_implementation="
+                                 "'splash_attention' or 'xla_flash_attention', or drop attention_config")
+            return
+        self.attention_config = AttentionConfig.from_any(self.attention_config)
 
     def _validate_quantization(self) -> None:
         from ..quantization import QuantizationConfig

@@ -9,6 +9,9 @@ import torch
 from torch import nn
 
 from .. import backend
+from ..attention import patch_attention
+from ..attention.config import TRANSFORMERS_NAMES
+from ..attention.hf import register as register_attention
 from ..loading import checkpoint as ckpt
 from ..loading import streaming
 from ..sharding.mesh import mesh_shape_for
@@ -41,8 +44,11 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             f"from_pretrained() got unexpected keyword argument(s) {sorted(unused)}: they are "
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
-            "attn_implementation, do_quant, quantization_config) nor fields of the model's config; check the spelling")
+            "attn_implementation, attention_config, do_quant, quantization_config) nor fields of the model's config; check the spelling")
     config._attn_implementation = opts.attn_implementation
+    if opts.attn_implementation != "eager":
+        register_attention()   # transformers must know the name before the model is built
+        config._attn_implementation = TRANSFORMERS_NAMES[opts.attn_implementation]
     return empty_model(config, auto_class, opts.dtype, opts.trust_remote_code)
 
 
@@ -268,7 +274,8 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
         print(plan)
     model = resolved.model
     load(model, plan, mesh, checkpoint, opts.verbose)            # 3. load (+ quantize in C)
-    # 4. patch: eager attention only for now (attention kernels come with issue 4).
+    if opts.attn_implementation != "eager":                                         # 4. patch
+        patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
     model = wrapping.wrap(model, plan, mesh, opts)                                   # 5. wrap
     backend.set_global_mesh(mesh)
     return model

@@ -7,4 +7,5 @@ def test_demo_passes(tmp_path, xla_devices, capsys):
     assert run_demo(tmp_path, strategy="2d")
     out = capsys.readouterr().out
     assert "OK: sharded generation equals plain transformers" in out
+    assert "OK: splash_attention (portable blockwise path) generates eager's tokens" in out
     assert "OK: int8 logits SQNR" in out

@@ -129,16 +129,6 @@ def test_typo_in_a_keyword(checkpoints):
         AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], shardng_strategy="fsdp")
 
 
-@pytest.mark.parametrize("kwargs,feature", [
-    (dict(attn_implementation="splash_attention"), "attention kernels"),
-    (dict(attn_implementation="xla_flash_attention"), "attention kernels"),
-    (dict(attention_config={"sa_block_q": 512}), "attention kernels"),
-])
-def test_later_features_refuse_loudly(checkpoints, kwargs, feature):
-    with pytest.raises(NotImplementedError, match=feature):
-        AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], **kwargs)
-
-
 def test_unknown_attention_implementation(checkpoints):
     with pytest.raises(ValueError, match=r"unknown attn_implementation 'sdpa2'.*eager"):
         AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], attn_implementation="sdpa2")

@@ -1,4 +1,4 @@
-"""The seed's Quick Start and 3D examples, as written, with a local path and eager attention."""
+"""The seed's Quick Start and 3D examples, as written, with a local path."""
 import torch
 
 from AutoXLA import backend
@@ -6,13 +6,13 @@ from AutoXLA import backend
 
 def test_quick_start(checkpoints, xla_devices):
     path = str(checkpoints["llama"])
-    # --- from the seed (hub id -> local path; splash -> eager until the attention issue) ---
+    # --- from the seed (hub id -> local path) ---
     from AutoXLA.modeling import AutoXLAModelForCausalLM
 
     # Load a pretrained model with FSDP sharding and XLA Flash Attention
     model = AutoXLAModelForCausalLM.from_pretrained(
         path,
-        attn_implementation="eager",
+        attn_implementation="splash_attention",
         sharding_strategy="fsdp"
     )
     # --- end of the seed's code ---

@@ -1,0 +1,193 @@
+"""The kernels as named attention functions in transformers (AttentionInterface).
+
+They are registered as ``autoxla_fa`` and ``autoxla_splash`` (config.TRANSFORMERS_NAMES), so a
+model built by hand can use them too: ``register()``, then ``attn_implementation="autoxla_splash"``.
+
+Every model whose attention goes through ``ALL_ATTENTION_FUNCTIONS`` (Llama, Mistral, Qwen3,
+Gemma2, Ministral3/Mistral3 and most decoders of transformers 5) gets them with no per-family
+patch. Each name also registers a mask function, because transformers builds the mask by the
+same name: ours returns a ``KernelMask`` that says whether the mask is one the kernels can
+express (causal, the sliding window, padding) for queries and keys at the same positions, and
+keeps transformers' exact dense mask for every other case (decoding with a cache, packed
+sequences, bidirectional overlays), which the portable path then applies as given.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .blockwise import blockwise_attention
+from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
+
+logger = logging.getLogger("AutoXLA")
+_WARNED: set[str] = set()
+# The mask functions transformers composes for a causal or sliding-window mask: nothing else.
+_PLAIN = {"causal_mask_function", "and_masks.<locals>.and_mask",
+          "sliding_window_overlay.<locals>.inner_mask"}
+
+
+@dataclass
+class KernelMask:
+    """What transformers' mask function produced for the kernel implementations."""
+
+    dense: Callable[[], torch.Tensor]   # -> [B, 1, Sq, Skv] bool, transformers' exact mask
+    structured: bool      # causal (+window) and padding only, queries and keys at the same positions
+    window: int | None    # the sliding window of this mask, read from transformers' mask function
+    segment_ids: torch.Tensor | None   # [B, S] int32: 1 token, 0 padding (structured only)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """Set on each patched attention module: the kernel, its config and the mesh it runs on."""
+
+    kernel: str
+    config: AttentionConfig
+    mesh: object = None
+
+
+def register() -> None:
+    """Registers both kernels (and their mask functions) with transformers; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for kernel in KERNELS:
+        AttentionInterface.register(TRANSFORMERS_NAMES[kernel], _attention_function(kernel))
+        AttentionMaskInterface.register(TRANSFORMERS_NAMES[kernel], kernel_mask)
+
+
+def kernel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                attention_mask=None, **kwargs) -> KernelMask:
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = mask_function or causal_mask_function
+    names, window = _composition(mask_function)
+    aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
+               and q_offset == kv_offset == 0 and q_length == kv_length)
+    structured = aligned and names <= _PLAIN
+
+    def dense():
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                         attention_mask=attention_mask, allow_is_causal_skip=False,
+                         use_vmap=kwargs.get("use_vmap", False),
+                         device=kwargs.get("device", "cpu"))
+
+    segments = None
+    if structured and attention_mask is not None:
+        segments = attention_mask[:, :kv_length].to(torch.int32)
+    return KernelMask(dense, structured, window, segments)
+
+
+def _composition(fn) -> tuple[set[str], int | None]:
+    """Qualified names of every function composed into ``fn``, and its sliding window if any."""
+    names, window, todo = set(), None, [fn]
+    while todo:
+        f = todo.pop()
+        names.add(getattr(f, "__qualname__", repr(f)))
+        code = getattr(f, "__code__", None)
+        for var, cell in zip(code.co_freevars if code else (), getattr(f, "__closure__", None) or ()):
+            value = cell.cell_contents
+            if var == "sliding_window" and isinstance(value, int):
+                window = value
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                if callable(item) and hasattr(item, "__code__"):
+                    todo.append(item)
+    return names, window
+
+
+def _attention_function(kernel: str):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  sliding_window=None, softcap=None, **kwargs):
+        return attend(kernel, module, query, key, value, attention_mask, dropout=dropout,
+                      scaling=scaling, softcap=softcap, **kwargs)
+    attention.__name__ = attention.__qualname__ = f"{kernel}_forward"
+    return attention
+
+
+def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, scaling=None,
+           softcap=None, **kwargs):
+    """transformers' attention-function contract: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]
+    -> ([B, Sq, Hq, D], None)."""
+    if dropout:
+        raise ValueError(f"{kernel} does not implement attention dropout (p={dropout}); set the "
+                         "model config's attention_dropout to 0 or use attn_implementation='eager'")
+    layer = getattr(module, "autoxla_attention", LayerAttention(kernel, AttentionConfig()))
+    if layer is None:          # a layer left out by attention_config['layers']
+        return _eager(module, query, key, value, attention_mask, scaling=scaling,
+                      softcap=softcap, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    causal = getattr(module, "is_causal", True)
+    sq, skv = query.shape[2], key.shape[2]
+    window, segments, dense = None, None, None
+    if isinstance(attention_mask, KernelMask):
+        structured = attention_mask.structured and causal
+        if structured:
+            window, segments = attention_mask.window, attention_mask.segment_ids
+        else:
+            dense = attention_mask.dense()
+    elif attention_mask is None:                 # no mask at all: causal, queries at the end
+        structured = causal and sq == skv
+    else:                                        # a ready-made 4D mask (bool or additive)
+        structured, dense = False, attention_mask
+
+    from .. import backend
+
+    if structured and backend.on_tpu() and layer.mesh is not None:
+        out = _on_tpu(layer, query, key, value, scale, window, softcap, segments)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+    cfg = layer.config
+    out = blockwise_attention(
+        query, key, value, scale=scale, causal=causal and (structured or dense is None),
+        window=window, softcap=softcap, q_segment_ids=segments, kv_segment_ids=segments,
+        mask=dense, q_offset=skv - sq if dense is None else 0,
+        block_q=cfg.sa_block_q, block_kv=cfg.sa_block_kv)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _on_tpu(layer, query, key, value, scale, window, softcap, segments):
+    """The Pallas kernel for this call, or None (with one warning per reason) when it cannot
+    express the call and the portable path must run instead."""
+    from . import tpu
+
+    sizes = dict(zip(layer.mesh.axis_names, layer.mesh.mesh_shape))
+    if layer.kernel == "splash_attention":
+        batch_shards = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        if query.shape[0] % batch_shards:
+            warn_once(f"splash-batch-{batch_shards}", "splash_attention needs the batch (%d) to "
+                      "divide data*fsdp = %d; using the portable path", query.shape[0], batch_shards)
+            return None
+        return tpu.run_splash(tpu.splash_arguments(
+            query, key, value, scale=scale, window=window, softcap=softcap,
+            segment_ids=segments, mesh=layer.mesh, cfg=layer.config))
+    if not tpu.flash_supports(window, softcap):
+        warn_once("flash-window-softcap", "xla_flash_attention has no sliding window or logit "
+                  "soft-cap; layers that use them run the portable path (splash_attention has both)")
+        return None
+    return tpu.run_flash(tpu.flash_arguments(
+        query, key, value, scale=scale, causal=True, segment_ids=segments, mesh=layer.mesh,
+        cfg=layer.config))
+
+
+def _eager(module, query, key, value, attention_mask, **kwargs):
+    """The model's own eager attention, for layers the user kept out of the kernel."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"{type(module).__name__} has no eager_attention_forward to fall back "
+                         "to; drop attention_config['layers'] to patch every layer")
+    mask = attention_mask
+    if isinstance(mask, KernelMask):
+        allowed = mask.dense()
+        mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~allowed, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, **kwargs)
+
+
+def warn_once(key: str, message: str, *args) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logger.warning(message, *args)

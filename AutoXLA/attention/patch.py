@@ -1,0 +1,54 @@
+"""Step 4 of the pipeline: point a loaded model's attention at a kernel, layer by layer."""
+from __future__ import annotations
+
+from torch import nn
+
+from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
+from .hf import LayerAttention, register, warn_once
+
+
+def patch_attention(model: nn.Module, implementation: str, cfg: AttentionConfig, mesh) -> int:
+    """Routes the model's attention modules to ``implementation`` (a kernel name).
+
+    Layers outside ``cfg.layers`` keep the model's eager attention. Returns the number of
+    attention modules patched; a model with none that go through transformers' attention
+    interface is an error rather than a silent no-op.
+    """
+    if implementation not in KERNELS:
+        raise ValueError(f"unknown attention kernel {implementation!r}; use one of {KERNELS}")
+    register()
+    cfg = cfg.with_mesh(mesh) if mesh is not None else cfg
+    modules = [m for m in model.modules() if _uses_attention_interface(m)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention module that goes through "
+                         "transformers' AttentionInterface; use attn_implementation='eager'")
+    layers = {m.layer_idx for m in modules if getattr(m, "layer_idx", None) is not None}
+    cfg.check_layers(max(layers) + 1 if layers else 0)
+    patched = 0
+    for m in modules:
+        chosen = cfg.patches(getattr(m, "layer_idx", None))
+        m.autoxla_attention = LayerAttention(implementation, cfg, mesh) if chosen else None
+        patched += chosen
+    config = getattr(model, "config", None)
+    if config is not None:
+        config._attn_implementation = TRANSFORMERS_NAMES[implementation]
+    return patched
+
+
+def _uses_attention_interface(module: nn.Module) -> bool:
+    # transformers' attention modules hold their config and layer index, and read
+    # config._attn_implementation on every call to pick the attention function.
+    return (type(module).__name__.endswith("Attention") and hasattr(module, "config")
+            and hasattr(module, "layer_idx"))
+
+
+def vision_attention(requested: str | None) -> str:
+    """The attention a segmentation model gets: always eager, saying so once if asked for more.
+
+    The kernels implement causal decoder attention; vision encoders attend bidirectionally.
+    """
+    if requested not in (None, "eager"):
+        warn_once(f"vision-{requested}", "attn_implementation=%r is ignored for segmentation "
+                  "models: the kernels implement causal decoder attention, and vision attention "
+                  "is bidirectional; using eager attention", requested)
+    return "eager"
