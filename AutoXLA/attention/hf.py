@@ -161,6 +161,11 @@ def _on_tpu(layer, query, key, value, scale, window, softcap, segments):
             warn_once(f"splash-batch-{batch_shards}", "splash_attention needs the batch (%d) to "
                       "divide data*fsdp = %d; using the portable path", query.shape[0], batch_shards)
             return None
+        misfit = tpu.splash_misfit(query.shape[2], layer.config)
+        if misfit:
+            warn_once(f"splash-blocks-{misfit}", "splash_attention: %s; using the portable path "
+                      "(pad inputs to a multiple of the block size to use the kernel)", misfit)
+            return None
         return tpu.run_splash(tpu.splash_arguments(
             query, key, value, scale=scale, window=window, softcap=softcap,
             segment_ids=segments, mesh=layer.mesh, cfg=layer.config))

@@ -50,6 +50,17 @@ def run_flash(arguments: dict) -> torch.Tensor:
     return flash_attention(a.pop("q"), a.pop("k"), a.pop("v"), **a)
 
 
+def splash_misfit(seq_len: int, cfg: AttentionConfig) -> str | None:
+    """Why splash cannot take this sequence length, or None. Each of its block sizes is
+    min(configured, seq_len) and must divide seq_len (splash does not pad, flash does)."""
+    for key in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
+                "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq"):
+        block = min(getattr(cfg, key), seq_len)
+        if seq_len % block:
+            return f"{key}={block} does not divide the sequence length {seq_len}"
+    return None
+
+
 def splash_arguments(q, k, v, *, scale: float, window: int | None, softcap: float | None,
                      segment_ids, mesh, cfg: AttentionConfig) -> dict:
     spec = cfg.qkv_partition_spec or default_qkv_spec(q.shape[1], mesh)

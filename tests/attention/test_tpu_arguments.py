@@ -89,6 +89,15 @@ def test_splash_arguments():
     assert not full.attentiontype_local_sliding and full.slide_window_size is None
 
 
+def test_splash_blocks_must_divide_the_sequence():
+    cfg = AttentionConfig(sa_block_q=512, sa_block_kv=256)
+    assert tpu.splash_misfit(1024, cfg) is None
+    assert tpu.splash_misfit(100, cfg) is None            # one block of 100
+    assert "sa_block_q=512 does not divide the sequence length 600" in tpu.splash_misfit(600, cfg)
+    mixed = AttentionConfig(sa_block_q=256, sa_block_kv=512)
+    assert "sa_block_kv=512 does not divide the sequence length 768" in tpu.splash_misfit(768, mixed)
+
+
 @pytest.mark.parametrize("window", [1, 3, 6, 40])
 def test_splash_mask_equals_transformers_sliding_window(window):
     # Splash applies CausalMask & LocalMask(window_size=(w, w)) & equal segment ids, where
