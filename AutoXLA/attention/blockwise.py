@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-# Masked logits: finite, so a row with nothing allowed yet gives exp(0) (then zeroed) rather than
-# exp(-inf - -inf) = NaN, whose gradient would poison the backward pass even where unused.
+# Masked logits: finite, so a row with nothing allowed yet gives exp(0) (then discarded) rather
+# than exp(-inf - -inf) = NaN, whose gradient would poison the backward pass even where unused.
 _MASKED = -1e30
 
 
@@ -154,14 +154,18 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
                 s = torch.where(allowed, s, _MASKED)
             s = s.reshape(b, hkv, g * bq, bk)
             m_new = torch.maximum(m, s.amax(dim=-1))
+            # A row with nothing allowed so far has m_new == _MASKED and p == 1 on masked keys:
+            # the first allowed key rescales that away (alpha = 0), and rows that never see one
+            # are zeroed below, which is cheaper than masking p in every partial block.
             p = torch.exp(s - m_new.unsqueeze(-1))
-            if allowed is not None:      # a row with nothing allowed so far contributes nothing
-                p = torch.where(allowed, p.reshape(b, hkv, g, bq, bk), 0.0).reshape(s.shape)
             alpha = torch.exp(m - m_new)
             l = l * alpha + p.sum(dim=-1)
             acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, vf[:, :, c0:c1])
             m = m_new
-        out = acc / torch.where(l == 0, 1.0, l).unsqueeze(-1)
+        # l is 0 where every logit was -inf (a float mask): divide by 1 there, or the division's
+        # gradient is 0 * inf = NaN even though where() discards the row.
+        safe_l = torch.where(l == 0, 1.0, l).unsqueeze(-1)
+        out = torch.where((m > _MASKED).unsqueeze(-1), acc / safe_l, 0.0)
         outputs.append(out.reshape(b, hkv, g, bq, d))
     out = torch.cat(outputs, dim=3)[:, :, :, :sq]
     return out.reshape(b, hq, sq, d).to(q.dtype)
