@@ -49,6 +49,11 @@ class LayerAttention:
     mesh: object = None
 
 
+# For a model that was not loaded by AutoXLA but asks for a registered name: the portable path
+# with default blocks (no mesh, so never the Pallas kernels).
+_UNPATCHED = {kernel: LayerAttention(kernel, AttentionConfig()) for kernel in KERNELS}
+
+
 def register() -> None:
     """Registers both kernels (and their mask functions) with transformers; idempotent."""
     from transformers import AttentionInterface
@@ -115,7 +120,7 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
     if dropout:
         raise ValueError(f"{kernel} does not implement attention dropout (p={dropout}); set the "
                          "model config's attention_dropout to 0 or use attn_implementation='eager'")
-    layer = getattr(module, "autoxla_attention", LayerAttention(kernel, AttentionConfig()))
+    layer = getattr(module, "autoxla_attention", _UNPATCHED[kernel])
     if layer is None:          # a layer left out by attention_config['layers']
         return _eager(module, query, key, value, attention_mask, scaling=scaling,
                       softcap=softcap, **kwargs)

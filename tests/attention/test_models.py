@@ -298,3 +298,22 @@ def test_the_briefs_headline_call(checkpoints, batch, xla_devices):
             quantization_config=QuantizationConfig(bits=8, use_pallas=True))
     valid = mask.bool()
     assert_close(_logits(model, ids, mask)[valid], _logits(eager, ids, mask)[valid])
+
+
+def test_registered_names_work_in_plain_transformers(checkpoints, reference_models, batch):
+    # The registration is transformers' own mechanism: a model loaded by transformers itself,
+    # on the CPU, can ask for the kernels by their registered names (the portable path runs).
+    from transformers import AutoModelForCausalLM
+
+    from AutoXLA.attention.config import TRANSFORMERS_NAMES
+    from AutoXLA.attention.hf import register
+
+    register()
+    ids, mask = batch
+    expected = reference_models("gemma2")(input_ids=ids, attention_mask=mask).logits.detach()
+    for name in TRANSFORMERS_NAMES.values():
+        model = AutoModelForCausalLM.from_pretrained(
+            checkpoints["gemma2"], dtype=torch.float32, attn_implementation=name).eval()
+        with torch.no_grad():
+            got = model(input_ids=ids, attention_mask=mask).logits
+        assert_close(got[mask.bool()], expected[mask.bool()], what=name)
