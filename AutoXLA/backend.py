@@ -40,9 +40,37 @@ def _xla():
 
 def ensure_spmd() -> None:
     """Turn on SPMD once, before any device is touched (torch_xla segfaults otherwise, #9735)."""
-    _, xr, _ = _xla()
+    torch_xla, xr, _ = _xla()
     if not xr.is_spmd():
         xr.use_spmd()
+    _start_autograd_on_xla(torch_xla.device())
+
+
+@functools.cache   # once per process (SPMD may already be on from the environment)
+def _start_autograd_on_xla(dev) -> None:
+    """Run a one-element backward on the XLA device before anything else can.
+
+    autograd sizes its per-device queues once, at the first backward pass of the process, from the
+    devices it can see then. If that first backward ran on the CPU before torch_xla's runtime was
+    up, XLA gets no queue and every later backward on an XLA tensor fails with an internal assert
+    ("device_ready_queues_"). Starting autograd here prevents that; if it is already too late,
+    say so now, in words, rather than at the first training step.
+    """
+    import warnings
+
+    x = torch.ones(2, device=dev, requires_grad=True)
+    try:
+        # Lazy: nothing is compiled or run. The multiply matters: a graph that is only a leaf's
+        # sum fails the same assert on XLA even as the first backward (torch 2.9, observed).
+        (x * 2).sum().backward()
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        warnings.warn(
+            "autograd was first used (a backward pass on the CPU) before the XLA runtime started, "
+            "so backward passes on XLA devices will fail in this process (inference is "
+            "unaffected). To train, load the model, or call AutoXLA.backend.device(), before the "
+            "first backward pass, e.g. at the top of the script", RuntimeWarning, stacklevel=3)
 
 
 def device() -> torch.device:

@@ -14,6 +14,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach the hu
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Before any test runs a backward pass: autograd sizes its per-device queues once, at its first
+# backward. A CPU-only backward (the blockwise attention tests) before that leaves XLA without a
+# queue, and every later XLA backward fails with "device_ready_queues_ ... INTERNAL ASSERT
+# FAILED". backend.device() starts the runtime with SPMD and runs autograd's first backward on XLA.
+from AutoXLA import backend as _backend  # noqa: E402
+
+_backend.device()
+
 NUM_DEVICES = 8
 
 

@@ -1,4 +1,6 @@
 """One SPMD program really runs across 8 XLA:CPU devices in this process (docs/testing.md)."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -52,3 +54,32 @@ def test_host_shards_land_where_mark_sharding_puts_them(spec, shape, mesh_name, 
         assert a.shard_device == b.shard_device
         assert torch.equal(a.data, b.data), (spec, a.shard_device)
     assert torch.equal(ours.cpu(), t)
+
+
+def _run(code):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PYTHONPATH": os.getcwd()}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+_CPU_BACKWARD = "a = torch.ones(3, requires_grad=True); (a * 2).sum().backward()\n"
+_XLA_BACKWARD = ("x = torch.ones(3, device=backend.device(), requires_grad=True)\n"
+                 "(x * 2).sum().backward(); print('xla backward ok')\n")
+
+
+def test_a_cpu_backward_after_loading_does_not_break_xla_training():
+    # autograd sizes its device queues at its first backward: AutoXLA runs that first backward on
+    # XLA when it starts the runtime, so a later CPU backward cannot leave XLA without a queue.
+    r = _run("import torch\nfrom AutoXLA import backend\nbackend.device()\n" + _CPU_BACKWARD
+             + _XLA_BACKWARD)
+    assert r.returncode == 0 and "xla backward ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_cpu_backward_before_loading_is_reported_in_words():
+    r = _run("import torch\nfrom AutoXLA import backend\n" + _CPU_BACKWARD
+             + "backend.device()\n")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "backward passes on XLA devices will fail in this process" in r.stderr
