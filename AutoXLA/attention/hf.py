@@ -117,13 +117,13 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
            softcap=None, **kwargs):
     """transformers' attention-function contract: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]
     -> ([B, Sq, Hq, D], None)."""
+    layer = getattr(module, "autoxla_attention", _UNPATCHED[kernel])
+    if layer is None:          # a layer left out by attention_config['layers']
+        return _eager(module, query, key, value, attention_mask, dropout=dropout,
+                      scaling=scaling, softcap=softcap, **kwargs)
     if dropout:
         raise ValueError(f"{kernel} does not implement attention dropout (p={dropout}); set the "
                          "model config's attention_dropout to 0 or use attn_implementation='eager'")
-    layer = getattr(module, "autoxla_attention", _UNPATCHED[kernel])
-    if layer is None:          # a layer left out by attention_config['layers']
-        return _eager(module, query, key, value, attention_mask, scaling=scaling,
-                      softcap=softcap, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = getattr(module, "is_causal", True)
     sq, skv = query.shape[2], key.shape[2]

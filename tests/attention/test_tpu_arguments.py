@@ -175,3 +175,25 @@ def test_attention_config_accepts_the_seed_dict_and_rejects_typos():
         AttentionConfig(layers=[-1])
     with pytest.raises(ValueError, match="sa_q_layout"):
         AttentionConfig(sa_q_layout="ROW")
+
+
+def test_dropout_is_refused_by_the_kernels_but_kept_by_eager_layers():
+    from torch import nn
+
+    from AutoXLA.attention.hf import _attention_function
+
+    q, k, v = _qkv(b=1, hq=2, hkv=2, s=4)
+    attention = _attention_function("splash_attention")
+    kernel_layer = nn.Module()
+    with pytest.raises(ValueError, match=r"attention dropout \(p=0.1\).*attention_dropout to 0"):
+        attention(kernel_layer, q, k, v, None, dropout=0.1)
+    # A layer left out by attention_config['layers'] runs the model's eager attention, dropout
+    # included (Llama's eager attention, found through the module's class).
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaConfig
+
+    eager_layer = LlamaAttention(LlamaConfig(hidden_size=8, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=4), layer_idx=0)
+    eager_layer.autoxla_attention = None
+    eager_layer.train()
+    out, weights = attention(eager_layer, q, k, v, None, dropout=0.5, scaling=1.0)
+    assert out.shape == (1, 4, 2, 4) and weights is not None
