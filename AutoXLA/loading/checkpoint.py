@@ -175,3 +175,33 @@ def load_pickle_state(files: list[Path]) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
     return state
+
+
+def renamed_keys(model, keys) -> tuple[dict[str, str], list[str]]:
+    """(name the model uses -> checkpoint key, keys that need more than a rename).
+
+    transformers 5 saves some models in their hub layout and renames keys as it loads them
+    (SAM3, SegFormer, Mask2Former's Swin backbone, legacy LayerNorm gamma/beta). The same rules,
+    taken from transformers, map the checkpoint's keys here. A key whose rule also transforms the
+    tensor (a WeightConverter: fused or split experts, ...) is returned separately: the streaming
+    loader cannot apply it.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                     rename_source_key)
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:          # pragma: no cover - older transformers: names are as saved
+        return {k: k for k in keys}, []
+    if not isinstance(model, PreTrainedModel):
+        return {k: k for k in keys}, []
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    names, converted = {}, []
+    for key in sorted(keys):     # sorted: transformers' grouped renames decide on the first key
+        new, matched = rename_source_key(key, renamings, converters)
+        if matched is not None:
+            converted.append(key)
+        names[new] = key
+    return names, converted

@@ -33,7 +33,11 @@ class Resolved:
 
 
 def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
-    """Step 1: config and an empty model of the right class (no weights read)."""
+    """Step 1: config and an empty model of the right class (no weights read).
+
+    ``auto_class`` is a transformers auto class, or a sequence of them tried in order (the first
+    whose mapping knows the config's type is used).
+    """
     from transformers import AutoConfig
 
     config, unused = AutoConfig.from_pretrained(
@@ -44,12 +48,27 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             f"from_pretrained() got unexpected keyword argument(s) {sorted(unused)}: they are "
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
-            "attn_implementation, attention_config, do_quant, quantization_config) nor fields of the model's config; check the spelling")
+            "attn_implementation, attention_config, do_quant, quantization_config, "
+            "xla_patch_linear) nor fields of the model's config; check the spelling")
     config._attn_implementation = opts.attn_implementation
     if opts.attn_implementation != "eager":
         register_attention()   # transformers must know the name before the model is built
         config._attn_implementation = TRANSFORMERS_NAMES[opts.attn_implementation]
+    if isinstance(auto_class, (tuple, list)):
+        auto_class = pick_auto_class(auto_class, config)
     return empty_model(config, auto_class, opts.dtype, opts.trust_remote_code)
+
+
+def pick_auto_class(candidates, config):
+    """The first auto class whose mapping holds ``config``'s type, or an error naming them all."""
+    for auto_class in candidates:
+        if type(config) in getattr(auto_class, "_model_mapping", {}):
+            return auto_class
+    tried = ", ".join(c.__name__ for c in candidates)
+    raise ValueError(f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')!r}) "
+                     f"is not a model any of {tried} can build; this loader takes segmentation "
+                     "checkpoints (SAM, SAM2, SAM3, Mask2Former, OneFormer, SegFormer, UperNet, "
+                     "...). For a model built some other way, use from_model(model)")
 
 
 def empty_model(config, auto_class, dtype="auto", trust_remote_code: bool = False) -> Resolved:
@@ -75,6 +94,38 @@ def resolve_dtype(dtype, config) -> torch.dtype:
     if isinstance(saved, str):
         saved = getattr(torch, saved, None)
     return saved if isinstance(saved, torch.dtype) else torch.float32
+
+
+def adopt(model: nn.Module, opts: LoadOptions) -> Resolved:
+    """Step 1 for from_model: a model that is already built, with its weights (on the CPU)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"from_model needs a torch.nn.Module, got {type(model).__name__}")
+    on = {p.device.type for p in model.parameters()} | {b.device.type for b in model.buffers()}
+    if on - {"cpu"}:
+        raise ValueError(f"from_model needs the model's weights on the CPU, found them on "
+                         f"{sorted(on - {'cpu'})}: build it on the CPU (or call model.cpu()) and "
+                         "AutoXLA shards it onto the XLA devices")
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    dtype = opts.dtype if isinstance(opts.dtype, torch.dtype) else (
+        floating[0] if floating else torch.float32)
+    if hasattr(model, "get_expanded_tied_weights_keys"):
+        tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    else:   # a plain nn.Module: parameters registered under two names share one tensor
+        first, tied = {}, {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                tied[name] = first[id(p)]
+            else:
+                first[id(p)] = name
+    model.eval()
+    return Resolved(getattr(model, "config", None), model, dtype, tied)
+
+
+def patch_linears(model: nn.Module, opts: LoadOptions) -> None:
+    """Step 2b: torch_xla's einsum nn.Linear (sharding propagates through it), before the plan.
+    Quantized linears are not nn.Linear and keep their own forward."""
+    if opts.xla_patch_linear:
+        backend.patch_linear_for_spmd(model)
 
 
 def make_plan(resolved: Resolved, opts: LoadOptions):
@@ -124,22 +175,50 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbos
             in_flight = 0
         progress.update(1)
     progress.close()
-    for target, source in plan_ties(plan).items():
-        owner, leaf = _owner(model, target)
-        src_owner, src_leaf = _owner(model, source)
-        setattr(owner, leaf, getattr(src_owner, src_leaf))
+    _retie(model, plan)
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
             if p.device.type == "meta"]
     if left:
         raise RuntimeError(f"internal error: {left[:5]} were planned but not loaded; please report")
 
 
+def place(model: nn.Module, plan: Plan, mesh) -> None:
+    """Step 3 for from_model: every tensor the model already holds, sent to its planned shards."""
+    in_flight = 0
+    for t in plan:
+        if t.tied_to:
+            continue
+        owner, leaf = _owner(model, t.name)
+        current = owner._buffers[leaf] if t.is_buffer else owner._parameters[leaf]
+        value = streaming.tensor_to_device(current.detach(), t.spec, mesh, getattr(torch, t.dtype))
+        _assign(owner, leaf, value, t.is_buffer)
+        in_flight += t.nbytes
+        if in_flight >= _WAIT_BYTES:       # as in load(): bound the host copies in flight
+            backend.wait_for_transfers()
+            in_flight = 0
+    _retie(model, plan)
+
+
+def _retie(model: nn.Module, plan: Plan) -> None:
+    for target, source in plan_ties(plan).items():
+        owner, leaf = _owner(model, target)
+        src_owner, src_leaf = _owner(model, source)
+        setattr(owner, leaf, getattr(src_owner, src_leaf))
+
+
 def _sources(model: nn.Module, plan: Plan, checkpoint, state) -> tuple[dict, set]:
     """(plan name -> checkpoint key or None, names of weights to quantize as they load), after
     checking that every weight the plan needs is in the checkpoint."""
     available = set(state) if state is not None else set(checkpoint.records)
-    prefix = getattr(model, "base_model_prefix", "") + "."
-    sources = {t.name: _checkpoint_key(t.name, available, prefix)
+    names, converted = ckpt.renamed_keys(model, available)
+    if converted:
+        raise ckpt.CheckpointError(
+            f"{len(converted)} tensor(s) of {checkpoint.directory} need transformers' weight "
+            f"conversion (not only a rename) to load into {plan.model_class}, e.g. "
+            f"{converted[:3]}; AutoXLA's streaming loader does not apply those: load the model "
+            "with transformers and pass it to from_model, or re-save it in the current layout")
+    prefix, renamed = getattr(model, "base_model_prefix", "") + ".", set(names)
+    sources = {t.name: names.get(_checkpoint_key(t.name, renamed, prefix))
                for t in plan if not t.tied_to and t.persistent}
     # A quantized weight whose checkpoint tensor is float is quantized as it streams; its scale
     # and zero point come out of that call rather than from the checkpoint.
@@ -269,11 +348,31 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     resolved = resolve(path, auto_class, opts)                                       # 1. resolve
     checkpoint = ckpt.locate(path, use_safetensors=opts.use_safetensors, **opts.hub_kwargs)
     quantize_on_meta(resolved, opts.quantization_config, backend.on_tpu())  # 2a. quantized linears
+    patch_linears(resolved.model, opts)                                     # 2b. einsum linears
     plan, mesh = make_plan(resolved, opts)                                           # 2. plan
     if opts.verbose:
         print(plan)
-    model = resolved.model
-    load(model, plan, mesh, checkpoint, opts.verbose)            # 3. load (+ quantize in C)
+    load(resolved.model, plan, mesh, checkpoint, opts.verbose)   # 3. load (+ quantize in C)
+    return _finish(resolved.model, plan, mesh, opts)                        # 4. patch, 5. wrap
+
+
+def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
+    """from_model, top to bottom: the same steps on a model that already holds its weights."""
+    resolved = adopt(model, opts)                                                    # 1. adopt
+    if opts.quantization_config is not None:                                # 2a. quantize in C
+        from ..quantization import ModelQuantizer
+
+        ModelQuantizer(opts.quantization_config).quantize_model(
+            resolved.model, tied=resolved.tied, on_tpu=backend.on_tpu())
+    patch_linears(resolved.model, opts)                                     # 2b. einsum linears
+    plan, mesh = make_plan(resolved, opts)                                           # 2. plan
+    if opts.verbose:
+        print(plan)
+    place(resolved.model, plan, mesh)                                                # 3. place
+    return _finish(resolved.model, plan, mesh, opts)                        # 4. patch, 5. wrap
+
+
+def _finish(model: nn.Module, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
     if opts.attn_implementation != "eager":                                         # 4. patch
         patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
     model = wrapping.wrap(model, plan, mesh, opts)                                   # 5. wrap
