@@ -108,6 +108,19 @@ def check_user_mesh(mesh) -> MeshShape:
     return validate_mesh_axes(names, sizes, device_count())
 
 
+def patch_linear_for_spmd(model) -> None:
+    """torch_xla's einsum-based nn.Linear (``xla_sharding.apply_xla_patch_to_nn_linear``), so that
+    sharding propagates through linears. Not ``fsdp.utils.apply_xla_patch_to_nn_linear``, which
+    shares the name and patches the backward for FSDPv1 (TORCH_XLA_NOTES.md)."""
+    _xla()
+    from torch_xla.distributed.spmd.xla_sharding import apply_xla_patch_to_nn_linear
+
+    from .module_swap import repointing_references
+
+    with repointing_references(model):
+        apply_xla_patch_to_nn_linear(model)
+
+
 def set_global_mesh(mesh) -> None:
     _, _, xs = _xla()
     xs.set_global_mesh(mesh)

@@ -26,6 +26,7 @@ class LoadOptions:
     attention_config: Any = None        # AttentionConfig once validated (kernels only)
     trust_remote_code: bool = False
     use_safetensors: bool | None = None
+    xla_patch_linear: bool = False      # torch_xla's einsum nn.Linear, applied before sharding
     do_quant: bool | None = None
     quantization_config: Any = None     # QuantizationConfig (or its dict) once validated
     hub_kwargs: dict = field(default_factory=dict)      # revision, cache_dir, token, ...
@@ -62,6 +63,8 @@ class LoadOptions:
                 raise ValueError(f"dtype={self.dtype!r} is not a torch dtype; use e.g. "
                                  "torch.bfloat16, 'bfloat16' or 'auto' (the checkpoint's dtype)")
         self._validate_quantization()
+        if not isinstance(self.xla_patch_linear, bool):
+            raise TypeError(f"xla_patch_linear must be True or False, got {self.xla_patch_linear!r}")
         for name in ("auto_wrap_policy", "shard_output_callable"):
             value = getattr(self, name)
             if value is not None and not callable(value):

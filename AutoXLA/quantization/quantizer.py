@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .. import _native, saving
+from ..module_swap import repointing_references
 from .backends import ACTIVATION_QUANT, choose
 from .config import LayerFormat, QuantizationConfig
 from .linear import SCALE_DTYPE, QuantizedLinear
@@ -125,8 +126,16 @@ class ModelQuantizer:
         report = QuantizationReport(cfg)
         matched = set()
         pallas_refused = []
+        # nn.MultiheadAttention passes out_proj.weight straight to F.multi_head_attention_forward
+        # instead of calling out_proj: a quantized layer there would be read as raw integers.
+        read_directly = {id(m.out_proj) for m in model.modules()
+                         if isinstance(m, nn.MultiheadAttention)}
         for name, m in model.named_modules():
             if not isinstance(m, nn.Linear):
+                continue
+            if id(m) in read_directly:
+                report.skipped[name] = ("nn.MultiheadAttention reads its out_proj weight directly, "
+                                        "so it stays in full precision")
                 continue
             pattern = cfg.excludes(name)
             if pattern is not None:
@@ -173,6 +182,16 @@ class ModelQuantizer:
         """
         report = self.plan(model, tied, on_tpu)
         report.bytes_before = _weight_bytes(model)
+        with repointing_references(model):
+            self._swap(model, report)
+        report.bytes_after = _weight_bytes(model)
+        model.autoxla_quantization = report
+        saving.attach(model)   # transformers' own save would drop the quantization config
+        logger.info("%s", report)
+        return model
+
+    @staticmethod
+    def _swap(model: nn.Module, report) -> None:
         for name, d in report.layers.items():
             path, _, leaf = name.rpartition(".")
             parent = model.get_submodule(path)      # "" is the model itself
@@ -186,11 +205,6 @@ class ModelQuantizer:
                                    None if q.zero_point is None else q.zero_point.to(dev),
                                    None if old.bias is None else old.bias.detach())
             setattr(parent, leaf, new)
-        report.bytes_after = _weight_bytes(model)
-        model.autoxla_quantization = report
-        saving.attach(model)   # transformers' own save would drop the quantization config
-        logger.info("%s", report)
-        return model
 
 
 LanguageModelQuantizer = ModelQuantizer
