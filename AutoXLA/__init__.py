@@ -1,10 +1,12 @@
 """AutoXLA: Hugging Face models sharded over XLA device meshes."""
 from .attention import AttentionConfig
-from .modeling import AutoXLAModelForCausalLM
+from .modeling import (AutoXLAModelForCausalLM, AutoXLAModelForImageSegmentation,
+                       AutoXLAModelForMaskGeneration)
 from .quantization import LanguageModelQuantizer, ModelQuantizer, QuantizationConfig
 from .sharding.mesh import MeshShape, mesh_shape_for
 from .sharding.plan import Plan, TensorPlan
 
 __version__ = "0.1.0"
-__all__ = ["AttentionConfig", "AutoXLAModelForCausalLM", "LanguageModelQuantizer", "MeshShape", "ModelQuantizer", "Plan",
+__all__ = ["AttentionConfig", "AutoXLAModelForCausalLM", "AutoXLAModelForImageSegmentation",
+           "AutoXLAModelForMaskGeneration", "LanguageModelQuantizer", "MeshShape", "ModelQuantizer", "Plan",
            "QuantizationConfig", "TensorPlan", "mesh_shape_for"]

@@ -2,7 +2,8 @@
 
     autoxla plan PATH_OR_CONFIG [--strategy 2d] [--devices 8] [--dtype bf16] [--json]
                  [--bits 8|4 [--block-size 64] [--asym] [--cpu]]
-        The sharding plan of a checkpoint from its config alone: no weights, no XLA devices.
+        The sharding plan of a checkpoint (causal LM or segmentation) from its config alone: no
+        weights, no XLA devices.
         --bits plans quantized linears (backends chosen as on a TPU unless --cpu); a checkpoint
         AutoXLA saved quantized shows its quantized tensors without --bits.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
@@ -22,11 +23,16 @@ _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float
 
 def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, dtype=None,
                      quantization_config=None, on_tpu: bool = True):
-    """The Plan of a causal LM checkpoint, computed from its config on the meta device."""
+    """The Plan of a causal LM or segmentation checkpoint, from its config on the meta device.
+
+    The model class is the one from_pretrained would build: a causal LM if transformers has one
+    for the config, else the first segmentation auto class (in the seed's order) that knows it.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-    from .modeling.pipeline import empty_model, quantize_on_meta
+    from .modeling.pipeline import empty_model, pick_auto_class, quantize_on_meta
+    from .modeling.segmentation import auto_classes
     from .sharding.mesh import mesh_shape_for, normalize_strategy
     from .sharding.plan import build_plan
 
@@ -42,7 +48,8 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
         dtype = getattr(torch, _DTYPES[dtype.lower()])
     strategy = normalize_strategy(strategy)
-    r = empty_model(config, AutoModelForCausalLM, dtype if dtype is not None else "auto")
+    auto_class = pick_auto_class((AutoModelForCausalLM,) + auto_classes(), config)
+    r = empty_model(config, auto_class, dtype if dtype is not None else "auto")
     quantize_on_meta(r, quantization_config, on_tpu)
     return build_plan(r.model, config, mesh_shape_for(strategy, devices), strategy, r.dtype, r.tied)
 

@@ -1,3 +1,5 @@
 from .causal import AutoXLAModelForCausalLM
+from .segmentation import AutoXLAModelForImageSegmentation, AutoXLAModelForMaskGeneration
 
-__all__ = ["AutoXLAModelForCausalLM"]
+__all__ = ["AutoXLAModelForCausalLM", "AutoXLAModelForImageSegmentation",
+           "AutoXLAModelForMaskGeneration"]
