@@ -141,3 +141,36 @@ def test_forward(loaded, family):
         assert torch.isfinite(value).all(), name
         assert value.float().std() > 1e-3, (name, value.float().std())
         assert (value[0] - value[1]).abs().max() > 1e-3, name
+
+
+def test_checkpoint_keys_follow_transformers_renames(seg_checkpoints):
+    # SegFormer is saved in its hub layout (decode_head.linear_c.N.proj ...): every model name
+    # maps to a saved key through transformers' own renaming rules, and nothing needs converting.
+    from safetensors import safe_open
+
+    from AutoXLA.loading.checkpoint import renamed_keys
+
+    path = seg_checkpoints["segformer"]
+    saved = set()
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "pt") as h:
+            saved |= set(h.keys())
+    model = tiny_vision.model_class("segformer")(tiny_vision.tiny_config("segformer"))
+    names, converted = renamed_keys(model, saved)
+    assert not converted and set(names.values()) == saved
+    assert set(model.state_dict()) - set(names) <= {k for k in model.state_dict()
+                                                   if k.endswith("num_batches_tracked")}
+    assert any(k != v for k, v in names.items()), "segformer no longer renames: pick another"
+
+
+def test_keys_that_need_a_tensor_conversion_are_reported(monkeypatch):
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import Concatenate, WeightConverter
+
+    from AutoXLA.loading.checkpoint import renamed_keys
+
+    model = tiny_vision.model_class("segformer")(tiny_vision.tiny_config("segformer"))
+    fuse = WeightConverter(["a.weight", "b.weight"], "ab.weight", operations=[Concatenate(dim=0)])
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", lambda m: [fuse])
+    names, converted = renamed_keys(model, {"a.weight", "b.weight", "c.weight"})
+    assert converted == ["a.weight", "b.weight"] and names["c.weight"] == "c.weight"
