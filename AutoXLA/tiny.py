@@ -50,15 +50,23 @@ def available_families() -> list[str]:
 
 
 def tiny_config(family: str, **overrides):
+    return config_from_table(FAMILIES, family, overrides, defaults=_COMMON)
+
+
+def config_from_table(families: dict, family: str, overrides: dict, defaults: dict | None = None):
+    """The transformers config ``families[family]`` names: defaults, then the family's keywords,
+    then ``overrides``."""
+    import copy
+
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
-    cls_name, kwargs = FAMILIES[family]
+    if family not in families:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(families)}")
+    cls_name, kwargs = families[family]
     cls = getattr(transformers, cls_name, None)
     if cls is None:
         raise ValueError(f"transformers {transformers.__version__} has no {cls_name}")
-    return cls(**{**_COMMON, **kwargs, **overrides})
+    return cls(**{**(defaults or {}), **copy.deepcopy(kwargs), **overrides})
 
 
 def save_tiny_checkpoint(family: str, directory: str | os.PathLike, *, seed: int = 0,

@@ -16,7 +16,6 @@ checkpoint), so building a model never downloads anything.
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 from pathlib import Path
@@ -159,15 +158,9 @@ def missing_families() -> dict[str, str]:
 
 
 def tiny_config(family: str, **overrides):
-    import transformers
+    from .tiny import config_from_table
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
-    cls_name, kwargs = FAMILIES[family]
-    cls = getattr(transformers, cls_name, None)
-    if cls is None:
-        raise ValueError(f"transformers {transformers.__version__} has no {cls_name}")
-    return cls(**{**copy.deepcopy(kwargs), **overrides})
+    return config_from_table(FAMILIES, family, overrides)
 
 
 def model_class(family: str):

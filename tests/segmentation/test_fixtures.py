@@ -53,13 +53,6 @@ def _first_auto_class(config):
 
 
 @pytest.fixture(scope="module")
-def seg_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("segmentation")
-    return {f: tiny_vision.save_tiny_segmentation(f, root / f, seed=i)
-            for i, f in enumerate(FAMILIES)}
-
-
-@pytest.fixture(scope="module")
 def loaded(seg_checkpoints):
     """family -> (auto class used, model loaded back from the checkpoint, eval mode)."""
     from transformers import AutoConfig

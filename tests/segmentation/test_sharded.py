@@ -30,13 +30,6 @@ INT8_SQNR_FLOOR_DB = {"mask2former": 18.0}
 
 
 @pytest.fixture(scope="module")
-def seg_checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("segmentation")
-    return {f: tiny_vision.save_tiny_segmentation(f, root / f, seed=i)
-            for i, f in enumerate(FAMILIES)}
-
-
-@pytest.fixture(scope="module")
 def references(seg_checkpoints):
     """family -> the checkpoint in plain transformers (CPU, fp32) and its outputs on tiny_inputs."""
     out = {}
