@@ -6,6 +6,7 @@ import os
 from torch import nn
 
 from ..attention import vision_attention
+from ..attention.hf import warn_once
 from .options import LoadOptions
 from .pipeline import build, build_from_model
 
@@ -69,8 +70,9 @@ class AutoXLAModelForImageSegmentation:
 def _options(kwargs: dict) -> LoadOptions:
     kwargs = dict(kwargs)
     requested = kwargs.pop("attn_implementation", None)
-    if kwargs.pop("attention_config", None) is not None and requested in (None, "eager"):
-        requested = "attention_config"
+    if kwargs.pop("attention_config", None) is not None:
+        warn_once("vision-attention_config", "attention_config is ignored for segmentation "
+                  "models: they keep eager attention (vision attention is bidirectional)")
     vision_attention(requested)             # warns once when asked for a kernel
     return LoadOptions.from_kwargs(kwargs)
 
