@@ -100,14 +100,17 @@ def xla_op_arguments(layer, x: torch.Tensor) -> tuple[tuple, dict]:
     zp = None
     if layer.weight_zero_point is not None:
         zp = layer.weight_zero_point.reshape(-1).to(torch.float32) * scale
-    return (x, layer.weight, scale), {"zero_point": zp,
-                                      "quantize_activation": layer.quantize_activation}
+    # Flattened to 2-D, as for the Pallas kernel: vision models feed 4-D and 5-D activations,
+    # and one 2-D contraction is the case torch_xla's own tests cover.
+    x2 = x.reshape(-1, x.shape[-1])
+    return (x2, layer.weight, scale), {"zero_point": zp,
+                                       "quantize_activation": layer.quantize_activation}
 
 
 def _xla_op_forward(layer, x: torch.Tensor) -> torch.Tensor:
     args, kwargs = xla_op_arguments(layer, x)
     out = xla.quantized_matmul()(*args, **kwargs)
-    return _add_bias(out.to(x.dtype), layer)
+    return _add_bias(out.reshape(*x.shape[:-1], layer.out_features).to(x.dtype), layer)
 
 
 def _fallback_forward(layer, x: torch.Tensor) -> torch.Tensor:
