@@ -22,6 +22,17 @@ from pathlib import Path
 
 import torch
 
+# The SAM family's prompt encoder and two-way mask decoder: 2 heads (attention_downsample_rate 2:
+# 16 internal channels), an iou_prediction_head of hidden size 20, 3 multimask outputs + 1.
+_SAM_DECODER = dict(hidden_size=32, mlp_dim=64, num_hidden_layers=2, num_attention_heads=2,
+                    iou_head_depth=3, iou_head_hidden_dim=20)
+
+
+def _sam_prompts(image_size: int, patch_size: int) -> dict:
+    return dict(hidden_size=32, image_size=image_size, patch_size=patch_size,
+                mask_input_channels=8)
+
+
 # family -> (config class name, its keywords). Sub-configs are plain dicts; backbones carry their
 # ``model_type`` so transformers builds its own (random, local) backbone from them.
 FAMILIES = {
@@ -35,10 +46,8 @@ FAMILIES = {
         vision_config=dict(hidden_size=36, output_channels=32, num_hidden_layers=2,
                            num_attention_heads=6, image_size=64, patch_size=8, window_size=3,
                            global_attn_indexes=[1], num_pos_feats=16, mlp_dim=72),
-        prompt_encoder_config=dict(hidden_size=32, image_size=64, patch_size=8,
-                                   mask_input_channels=8),
-        mask_decoder_config=dict(hidden_size=32, mlp_dim=64, num_hidden_layers=2,
-                                 num_attention_heads=2, iou_head_depth=3, iou_head_hidden_dim=20),
+        prompt_encoder_config=_sam_prompts(image_size=64, patch_size=8),
+        mask_decoder_config=_SAM_DECODER,
     )),
     # Hiera backbone (4 stages, query pooling between them, one global block, windows of 8/4/4/2,
     # stage widths 16/24/40/64 with 1/2/2/4 heads), FPN to 32 channels, SAM2 mask decoder with the
@@ -54,10 +63,8 @@ FAMILIES = {
                                  window_positional_embedding_background_size=[7, 7]),
             backbone_channel_list=[64, 40, 24, 16],
             backbone_feature_sizes=[[32, 32], [16, 16], [8, 8]], fpn_hidden_size=32),
-        prompt_encoder_config=dict(hidden_size=32, image_size=128, patch_size=16,
-                                   mask_input_channels=8),
-        mask_decoder_config=dict(hidden_size=32, mlp_dim=64, num_hidden_layers=2,
-                                 num_attention_heads=2, iou_head_depth=3, iou_head_hidden_dim=20),
+        prompt_encoder_config=_sam_prompts(image_size=128, patch_size=16),
+        mask_decoder_config=_SAM_DECODER,
     )),
     # SAM 3's point-prompted (interactive) model: the SAM 3 ViT (2-D rope, windowed + global
     # attention, patch 14, so the 8x8 grid of a 112 image) behind a 4-scale FPN (x4, x2, x1, x0.5;
@@ -74,10 +81,8 @@ FAMILIES = {
                                  pretrain_image_size=56),
             fpn_hidden_size=32, scale_factors=[4.0, 2.0, 1.0, 0.5],
             backbone_feature_sizes=[[32, 32], [16, 16], [8, 8]]),
-        prompt_encoder_config=dict(hidden_size=32, image_size=112, patch_size=14,
-                                   mask_input_channels=8),
-        mask_decoder_config=dict(hidden_size=32, mlp_dim=64, num_hidden_layers=2,
-                                 num_attention_heads=2, iou_head_depth=3, iou_head_hidden_dim=20),
+        prompt_encoder_config=_sam_prompts(image_size=112, patch_size=14),
+        mask_decoder_config=_SAM_DECODER,
     )),
     # Swin backbone (stages 12/24/48/96 with 1/2/3/6 heads, window 4 so the relative position
     # bias tables are (49, heads)), multi-scale deformable-attention pixel decoder (1 layer,
