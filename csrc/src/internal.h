@@ -116,6 +116,25 @@ typedef void (*axl_dequant_row_fn)(const void *q, const void *scales, const int8
     void axl_dequant_row_f16_##suffix(const void *q, const void *scales, const int8_t *zp,  \
                                       const axl_qformat *f, void *out);
 
+/* The exported row kernels of one vectorised ISA file for one source dtype. The file defines
+ * static quant_row_any(w, dtype, f, q, scales, zp, max_err, sqnr_db) and
+ * dequant_row(q, scales, zp, f, out, dtype, bits) for itself (with bits a constant, so each width
+ * is specialised); ATTR is its target attribute, suffix its ISA name. */
+#define AXL_DEFINE_QUANT_ROWS(ATTR, suffix, name, dtype)                                   \
+    ATTR int axl_quant_row_##name##_##suffix(const void *w, const axl_qformat *f, void *q, \
+                                             void *scales, int8_t *zp, float *max_err,   \
+                                             float *sqnr_db) {                           \
+        return quant_row_any(w, dtype, f, q, scales, zp, max_err, sqnr_db);              \
+    }                                                                                    \
+    ATTR void axl_dequant_row_##name##_##suffix(const void *q, const void *scales,       \
+                                                const int8_t *zp, const axl_qformat *f,   \
+                                                void *out) {                             \
+        if (f->bits == 8)                                                                \
+            dequant_row(q, scales, zp, f, out, dtype, 8);                                \
+        else                                                                             \
+            dequant_row(q, scales, zp, f, out, dtype, 4);                                \
+    }
+
 AXL_DECLARE_QUANT(ref)
 #if AXL_X86
 AXL_DECLARE_QUANT(avx2)

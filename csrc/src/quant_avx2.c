@@ -292,23 +292,8 @@ AXL_AVX2 INLINE void dequant_row(const void *q, const void *scales, const int8_t
     if (staged) flush_stage(stage, out, staged_from, staged, dst_dtype);
 }
 
-#define QUANT_AVX2(name, dtype)                                                          \
-    AXL_AVX2 int axl_quant_row_##name##_avx2(const void *w, const axl_qformat *f, void *q, \
-                                             void *scales, int8_t *zp, float *max_err,   \
-                                             float *sqnr_db) {                           \
-        return quant_row_any(w, dtype, f, q, scales, zp, max_err, sqnr_db);              \
-    }                                                                                    \
-    AXL_AVX2 void axl_dequant_row_##name##_avx2(const void *q, const void *scales,       \
-                                                const int8_t *zp, const axl_qformat *f,   \
-                                                void *out) {                             \
-        if (f->bits == 8)                                                                \
-            dequant_row(q, scales, zp, f, out, dtype, 8);                                \
-        else                                                                             \
-            dequant_row(q, scales, zp, f, out, dtype, 4);                                \
-    }
-
-QUANT_AVX2(f32, AXL_F32)
-QUANT_AVX2(bf16, AXL_BF16)
-QUANT_AVX2(f16, AXL_F16)
+AXL_DEFINE_QUANT_ROWS(AXL_AVX2, avx2, f32, AXL_F32)
+AXL_DEFINE_QUANT_ROWS(AXL_AVX2, avx2, bf16, AXL_BF16)
+AXL_DEFINE_QUANT_ROWS(AXL_AVX2, avx2, f16, AXL_F16)
 
 #endif /* AXL_X86 */
