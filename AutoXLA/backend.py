@@ -40,14 +40,14 @@ def _xla():
 
 def ensure_spmd() -> None:
     """Turn on SPMD once, before any device is touched (torch_xla segfaults otherwise, #9735)."""
-    torch_xla, xr, _ = _xla()
+    _, xr, _ = _xla()
     if not xr.is_spmd():
         xr.use_spmd()
-    _start_autograd_on_xla(torch_xla.device())
+    _start_autograd_on_xla()
 
 
 @functools.cache   # once per process (SPMD may already be on from the environment)
-def _start_autograd_on_xla(dev) -> None:
+def _start_autograd_on_xla() -> None:
     """Run a one-element backward on the XLA device before anything else can.
 
     autograd sizes its per-device queues once, at the first backward pass of the process, from the
@@ -58,7 +58,8 @@ def _start_autograd_on_xla(dev) -> None:
     """
     import warnings
 
-    x = torch.ones(2, device=dev, requires_grad=True)
+    torch_xla, _, _ = _xla()
+    x = torch.ones(2, device=torch_xla.device(), requires_grad=True)
     try:
         # Lazy: nothing is compiled or run. The multiply matters: a graph that is only a leaf's
         # sum fails the same assert on XLA even as the first backward (torch 2.9, observed).
