@@ -1,6 +1,7 @@
 """The keywords of from_pretrained, validated once at the edge."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,6 +30,8 @@ class LoadOptions:
     xla_patch_linear: bool = False      # torch_xla's einsum nn.Linear, applied before sharding
     do_quant: bool | None = None
     quantization_config: Any = None     # QuantizationConfig (or its dict) once validated
+    generation_options: Any = None      # GenerationOptions (or its dict) once validated
+    compile_cache: Any = None           # directory of torch_xla's persistent compilation cache
     hub_kwargs: dict = field(default_factory=dict)      # revision, cache_dir, token, ...
     config_kwargs: dict = field(default_factory=dict)   # anything else: config overrides
 
@@ -63,6 +66,12 @@ class LoadOptions:
                 raise ValueError(f"dtype={self.dtype!r} is not a torch dtype; use e.g. "
                                  "torch.bfloat16, 'bfloat16' or 'auto' (the checkpoint's dtype)")
         self._validate_quantization()
+        from ..generation import GenerationOptions
+
+        self.generation_options = GenerationOptions.from_any(self.generation_options)
+        if self.compile_cache is not None and not isinstance(self.compile_cache, (str, os.PathLike)):
+            raise TypeError(f"compile_cache must be a directory path, got "
+                            f"{type(self.compile_cache).__name__}")
         if not isinstance(self.xla_patch_linear, bool):
             raise TypeError(f"xla_patch_linear must be True or False, got {self.xla_patch_linear!r}")
         for name in ("auto_wrap_policy", "shard_output_callable"):

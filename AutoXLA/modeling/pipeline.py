@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backend, generation
 from ..attention import patch_attention
 from ..attention.config import TRANSFORMERS_NAMES
 from ..attention.hf import register as register_attention
@@ -49,7 +49,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
             "attn_implementation, attention_config, do_quant, quantization_config, "
-            "xla_patch_linear) nor fields of the model's config; check the spelling")
+            "xla_patch_linear, generation_options, compile_cache) nor fields of the model's config; check the spelling")
     config._attn_implementation = opts.attn_implementation
     if opts.attn_implementation != "eager":
         register_attention()   # transformers must know the name before the model is built
@@ -376,5 +376,7 @@ def _finish(model: nn.Module, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
     if opts.attn_implementation != "eager":                                         # 4. patch
         patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
     model = wrapping.wrap(model, plan, mesh, opts)                                   # 5. wrap
+    if plan.attention is not None:                              # 6. fixed-shape generation
+        generation.attach(model, opts.generation_options)
     backend.set_global_mesh(mesh)
     return model

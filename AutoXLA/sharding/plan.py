@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import rules
+from .kv_cache import KVCachePlan, attention_shape, kv_cache_for
 from .mesh import AXES, MeshShape
 
 
@@ -60,6 +61,8 @@ class Plan:
     tensors: list[TensorPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     quantization: dict | None = None   # QuantizationConfig.to_dict() when quantized
+    # (decoder layers, kv heads, head dim) of a model that generates: what its KV cache holds.
+    attention: tuple[int, int, int] | None = None
 
     def __getitem__(self, name: str) -> TensorPlan:
         # The loader looks up every quantized tensor: index once (plans are built, then only read;
@@ -91,6 +94,14 @@ class Plan:
 
     def bytes_per_device(self) -> int:
         return sum(t.bytes_per_device for t in self.tensors if not t.tied_to)
+
+    def kv_cache(self, batch: int, length: int, dtype=None) -> KVCachePlan:
+        """The static KV cache generation allocates for ``batch`` sequences of ``length`` slots:
+        its spec on this mesh and bytes per device (``.describe(plan.mesh)``)."""
+        if self.attention is None:
+            raise ValueError(f"{self.model_class} does not generate: it has no KV cache to plan")
+        dtype = dtype or (self.dtype if self.dtype != "checkpoint" else "float32")
+        return kv_cache_for(self.attention, self.mesh, dtype, batch, length)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -180,7 +191,17 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
                 dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
                 tensors=list(entries.values()),
                 notes=list(report.warnings) if report is not None else [],
-                quantization=report.config.to_dict() if report is not None else None)
+                quantization=report.config.to_dict() if report is not None else None,
+                attention=_attention(model, config))
+
+
+def _attention(model: nn.Module, config):
+    if config is None or not (hasattr(model, "can_generate") and model.can_generate()):
+        return None
+    try:
+        return attention_shape(config)
+    except (ValueError, AttributeError, TypeError):
+        return None
 
 
 def _entry(name, role, shape, dtype, spec, mesh, reason, is_buffer, tied_to="", persistent=True,

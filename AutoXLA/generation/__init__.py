@@ -1,0 +1,23 @@
+"""Generation with fixed shapes (docs/generation.md): static KV cache, bucketed shapes, sampling
+on the device, a persistent compilation cache and ahead-of-time warm-up."""
+from .buckets import GenerationOptions
+from .loop import generate
+
+__all__ = ["GenerationOptions", "attach", "generate"]
+
+
+def attach(model, options=None):
+    """Give ``model`` (and the transformers model inside a wrapper) AutoXLA's generate."""
+    import functools
+
+    from ..saving import unwrap
+
+    model.autoxla_generation = GenerationOptions.from_any(options)
+    bound = functools.partial(generate, model)
+    functools.update_wrapper(bound, generate)
+    model.generate = bound
+    inner = unwrap(model)
+    if inner is not model:
+        inner.autoxla_generation = model.autoxla_generation
+        inner.generate = bound
+    return model

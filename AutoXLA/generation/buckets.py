@@ -1,0 +1,100 @@
+"""Shape buckets: every batch size, prompt length and cache length is padded up to one of a few
+sizes, so that a new request inside a bucket reuses the programs already compiled.
+
+Default: powers of two, at least 1 for the batch, 16 for the prompt and 64 for the cache. Pass
+explicit sizes (an ascending tuple) to bound the number of programs a server can ever compile.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POWERS_OF_TWO = "pow2"
+
+
+def _check(name: str, sizes, minimum: int):
+    if sizes == POWERS_OF_TWO:
+        return sizes
+    if (not isinstance(sizes, (tuple, list)) or not sizes
+            or not all(isinstance(s, int) and s >= 1 for s in sizes)
+            or list(sizes) != sorted(set(sizes))):
+        raise ValueError(f"{name} must be 'pow2' or an ascending tuple of distinct positive ints, "
+                         f"got {sizes!r}")
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How ``model.generate`` shapes its programs; set once at load time
+    (``from_pretrained(..., generation_options=GenerationOptions(...))``) or on
+    ``model.autoxla_generation``.
+
+    batch_buckets, prompt_buckets, cache_buckets: 'pow2' or ascending sizes.
+    min_prompt, min_cache: the smallest power-of-two buckets.
+    max_cache_len: one fixed cache length for every request (a server's usual choice: one decode
+        program per batch bucket); None picks the cache bucket per request.
+    stop_check_every: decode steps between two looks at the device for "every sequence finished"
+        (one small device-to-host copy each); at most this many steps run after the last EOS.
+    """
+
+    batch_buckets: object = POWERS_OF_TWO
+    prompt_buckets: object = POWERS_OF_TWO
+    cache_buckets: object = POWERS_OF_TWO
+    min_prompt: int = 16
+    min_cache: int = 64
+    max_cache_len: int | None = None
+    stop_check_every: int = 8
+
+    def __post_init__(self):
+        for name in ("batch_buckets", "prompt_buckets", "cache_buckets"):
+            object.__setattr__(self, name, _check(name, getattr(self, name), 1))
+        for name in ("min_prompt", "min_cache", "stop_check_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_cache_len is not None and (not isinstance(self.max_cache_len, int)
+                                               or self.max_cache_len < 2):
+            raise ValueError(f"max_cache_len must be an int >= 2 or None, got {self.max_cache_len!r}")
+
+    @classmethod
+    def from_any(cls, value) -> "GenerationOptions":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise TypeError(f"generation_options: unknown key(s) {sorted(unknown)}; valid: "
+                                f"{', '.join(cls.__dataclass_fields__)}")
+            return cls(**value)
+        raise TypeError(f"generation_options must be a GenerationOptions or a dict, got "
+                        f"{type(value).__name__}")
+
+    def batch_bucket(self, batch: int) -> int:
+        return bucket("batch", batch, self.batch_buckets, 1)
+
+    def prompt_bucket(self, length: int) -> int:
+        return bucket("prompt", length, self.prompt_buckets, self.min_prompt)
+
+    def cache_length(self, prompt_bucket: int, max_new_tokens: int) -> int:
+        """Slots for the padded prompt and every new token."""
+        need = prompt_bucket + max_new_tokens
+        if self.max_cache_len is not None:
+            if need > self.max_cache_len:
+                raise ValueError(
+                    f"the prompt (padded to {prompt_bucket}) plus max_new_tokens={max_new_tokens} "
+                    f"needs {need} cache slots, more than max_cache_len={self.max_cache_len}: "
+                    "ask for fewer new tokens or load with a larger max_cache_len")
+            return self.max_cache_len
+        return bucket("cache", need, self.cache_buckets, self.min_cache)
+
+
+def bucket(what: str, n: int, sizes, minimum: int) -> int:
+    """The smallest bucket that holds ``n``."""
+    if sizes == POWERS_OF_TWO:
+        return max(minimum, 1 << max(0, (n - 1).bit_length()))
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(f"a {what} of {n} is larger than the largest {what} bucket {sizes[-1]}: "
+                     f"add a bucket of at least {n} to GenerationOptions({what}_buckets=...)")

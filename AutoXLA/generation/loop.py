@@ -1,0 +1,209 @@
+"""``model.generate`` with fixed shapes: one prefill program per (batch, prompt, cache) bucket and
+one decode program per (batch, cache) bucket, reused for every token.
+
+Per call: the prompt is padded up to its buckets on the host, the static KV cache is allocated at
+the cache bucket, one prefill step writes the prompt's keys and values and picks the first token,
+then each decode step feeds one token per row. Everything a step changes (the cache, its fill
+level, the step counter, the tokens so far, which rows finished) lives on the device, so every
+decode step traces to the same graph and runs the program compiled for the first one. The host
+looks at the device only every ``stop_check_every`` steps (has every row finished?) and once at
+the end (the tokens).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .. import backend
+from .buckets import GenerationOptions
+from .cache import allocate
+from .request import build_request
+from .sampling import Sampler, next_tokens
+
+
+@dataclass
+class Prompt:
+    """A batch padded up to its buckets, on the host."""
+
+    ids: torch.Tensor         # [Bb, Pb] int64: left-padded with pad columns, extra rows copy row 0
+    mask: torch.Tensor        # [Bb, L] int64: the prompt's mask, then 1 for every slot to come
+    positions: torch.Tensor   # [Bb, Pb] int64: as transformers counts them (cumsum of the mask)
+    lengths: torch.Tensor     # [Bb] int64: real tokens per row (the next token's position)
+    finished: torch.Tensor    # [Bb] bool: True for the rows added to fill the batch bucket
+
+
+@dataclass
+class Stats:
+    """What the last generate call did, for the CLI's summary and the benchmarks."""
+
+    batch_bucket: int = 0
+    prompt_bucket: int = 0
+    cache_length: int = 0
+    new_tokens: int = 0          # generated per row (steps run, before trimming finished rows)
+    steps: int = 0               # decode steps run
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+def pad_prompt(ids: torch.Tensor, mask: torch.Tensor, batch_bucket: int, prompt_bucket: int,
+               cache_length: int, pad_token_id: int) -> Prompt:
+    b, s = ids.shape
+    pad_cols = prompt_bucket - s
+    padded = torch.full((batch_bucket, prompt_bucket), pad_token_id, dtype=torch.int64)
+    prompt_mask = torch.zeros((batch_bucket, prompt_bucket), dtype=torch.int64)
+    padded[:b, pad_cols:] = ids
+    prompt_mask[:b, pad_cols:] = mask
+    padded[b:] = padded[0]               # filler rows: a real prompt, so no row is all padding
+    prompt_mask[b:] = prompt_mask[0]
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0).masked_fill(prompt_mask == 0, 1)
+    full_mask = torch.ones((batch_bucket, cache_length), dtype=torch.int64)
+    full_mask[:, :prompt_bucket] = prompt_mask
+    finished = torch.zeros(batch_bucket, dtype=torch.bool)
+    finished[b:] = True
+    return Prompt(padded, full_mask, positions, prompt_mask.sum(-1), finished)
+
+
+def default_attention_mask(ids: torch.Tensor, request) -> torch.Tensor:
+    """transformers' rule: mask out pad tokens when the pad token is not also EOS."""
+    pad = request.pad_token_id
+    if pad is not None and pad not in request.eos_token_ids and bool((ids == pad).any()):
+        return (ids != pad).long()
+    return torch.ones_like(ids)
+
+
+def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generation_config=None,
+             streamer=None, seed=None, **kwargs) -> torch.Tensor:
+    """Greedy or sampled generation with transformers' keywords; returns prompt + new tokens
+    (pad after a row's EOS) on the prompt's device, like transformers' generate."""
+    from ..saving import unwrap
+
+    hf = unwrap(model)
+    ids = input_ids if input_ids is not None else inputs
+    if ids is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("generate needs input_ids, a [batch, length] tensor of token ids "
+                         f"(got {type(ids).__name__}); tokenize with return_tensors='pt'")
+    out_device = ids.device
+    ids = ids.detach().to("cpu", torch.int64)
+    request = build_request(hf, ids.shape[1], generation_config, seed=seed, **kwargs)
+    mask = (attention_mask.detach().to("cpu", torch.int64) if attention_mask is not None
+            else default_attention_mask(ids, request))
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids "
+                         f"{tuple(ids.shape)}: they must match")
+    options: GenerationOptions = model.autoxla_generation
+    batch, length = ids.shape
+    bb, pb = options.batch_bucket(batch), options.prompt_bucket(length)
+    cache_length = options.cache_length(pb, request.max_new_tokens)
+    prompt = pad_prompt(ids, mask, bb, pb, cache_length, request.pad_token_id)
+    stats = Stats(bb, pb, cache_length)
+    kv = model.autoxla_plan.kv_cache(bb, cache_length, dtype=_activation_dtype(hf))
+    if streamer is not None:
+        streamer.put(ids)                 # as transformers: the prompt first
+    new = _run(model, prompt, request, kv, options.stop_check_every, streamer, stats, batch)
+    model.autoxla_last_generate = stats
+    return torch.cat([ids, new], dim=1).to(out_device)
+
+
+def _activation_dtype(hf) -> torch.dtype:
+    return hf.get_input_embeddings().weight.dtype
+
+
+def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: Stats,
+         batch: int) -> torch.Tensor:
+    import time
+
+    dev = backend.device()
+    mesh = model.autoxla_mesh
+    cache = allocate(kv, mesh, dev)
+    sampler = Sampler(request, dev)
+    eos = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.int64, device=dev)
+    pad = request.pad_token_id
+    mask = prompt.mask.to(dev)
+    lengths = prompt.lengths.to(dev)
+    finished = prompt.finished.to(dev)
+    tokens = torch.full((kv.batch, kv.length), pad, dtype=torch.int64, device=dev)
+    step = torch.zeros((), dtype=torch.int64, device=dev)
+    keep = _logits_kwargs(model)
+    watch = streamer is not None or bool(request.eos_token_ids)
+
+    t0 = time.perf_counter()
+    logits = _forward(model, prompt.ids.to(dev), mask, prompt.positions.to(dev), cache, keep)
+    token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished, eos, pad)
+    backend.sync()
+    eos_ids = request.eos_token_ids
+    streamed, stopped = _check(done, tokens, streamer, 0, 1, batch, eos_ids) if watch else (0, False)
+    stats.prefill_seconds = time.perf_counter() - t0   # with a check, the prefill has run
+    steps_run = 1
+    t0 = time.perf_counter()
+    for t in range(1, request.max_new_tokens):
+        if stopped:
+            break
+        if watch and t % check_every == 0:
+            streamed, stopped = _check(done, tokens, streamer, streamed, t, batch, eos_ids)
+            if stopped:
+                break
+        positions = (lengths + step - 1).unsqueeze(1)
+        logits = _forward(model, token.unsqueeze(1), mask, positions, cache, keep)
+        token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished,
+                                                       eos, pad)
+        backend.sync()
+        steps_run += 1
+    host = tokens.cpu()
+    stats.decode_seconds = time.perf_counter() - t0
+    stats.new_tokens = steps_run
+    stats.steps = steps_run - 1
+    new = host[:batch, :steps_run]
+    new = _trim(new, request.eos_token_ids)
+    if streamer is not None:
+        if batch == 1:
+            streamer.put(new[0, streamed:])
+        streamer.end()
+    return new
+
+
+def _check(done, tokens, streamer, streamed: int, upto: int, batch: int, eos_ids):
+    """(tokens streamed so far, every row finished?): one small device-to-host copy, or two
+    with a streamer, which gets the new tokens up to and including the first EOS."""
+    stopped = bool(done.cpu())
+    if streamer is not None and batch == 1:
+        new = _trim(tokens.cpu()[:1, :upto], eos_ids)[0]
+        streamer.put(new[streamed:])
+        streamed = max(streamed, len(new))
+    return streamed, stopped
+
+
+def _trim(new: torch.Tensor, eos_ids) -> torch.Tensor:
+    """Drop the steps run after every row had finished (transformers stops at that point)."""
+    if not eos_ids or new.numel() == 0:
+        return new
+    hit = torch.isin(new, torch.tensor(eos_ids, dtype=new.dtype))
+    if not bool(hit.any(1).all()):
+        return new
+    last = int(hit.int().argmax(1).max())     # the step at which the last row emitted EOS
+    return new[:, :last + 1]
+
+
+def _logits_kwargs(model) -> dict:
+    """Ask only for the last position's logits where the model supports it (prefill then runs
+    the head on one position, not the whole prompt)."""
+    from ..saving import unwrap
+
+    params = inspect.signature(unwrap(model).forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def _forward(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True, **keep)
+    return out.logits[:, -1, :]
+
+
+def _advance(logits, sampler, step, tokens, finished, eos, pad: int):
+    """Pick each row's next token (pad once a row finished), record it, update the flags."""
+    token = next_tokens(logits, sampler, step)
+    token = torch.where(finished, torch.full_like(token, pad), token)
+    tokens = tokens.index_copy(1, step.reshape(1), token.unsqueeze(1))
+    finished = finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1)
+    return token, tokens, finished, finished.all(), step + 1

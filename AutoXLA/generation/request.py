@@ -1,0 +1,109 @@
+"""One generate call's settings: transformers' keywords merged with the model's generation_config
+exactly as transformers merges them, then checked once. Anything that would change the output and
+that the fixed-shape loop does not implement is an error naming it, never silently dropped."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# GenerationConfig fields, with the value at which they change nothing (None, unset, and False
+# do not either). Any other value is refused (beam search, penalties, constraints, ...). Fields not listed here and not read below
+# (token ids, cache_implementation, output flags that are False) do not change the tokens.
+_NEUTRAL = {
+    "num_beams": 1, "num_return_sequences": 1, "min_length": 0, "min_new_tokens": 0,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None,
+    "typical_p": 1.0, "min_p": 0.0, "top_h": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
+    "begin_suppress_tokens": None, "sequence_bias": None, "stop_strings": None,
+    "renormalize_logits": None, "remove_invalid_values": False, "guidance_scale": None,
+    "exponential_decay_length_penalty": None, "watermarking_config": None,
+    "penalty_alpha": None, "dola_layers": None, "num_beam_groups": 1, "diversity_penalty": 0.0,
+    "constraints": None, "force_words_ids": None, "max_time": None, "token_healing": None,
+    "prompt_lookup_num_tokens": None, "return_dict_in_generate": False, "output_scores": False,
+    "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+    "prefill_chunk_size": None, "use_mtp": None,
+}
+# generate() arguments outside GenerationConfig that we cannot honour.
+_UNSUPPORTED_ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                          "assistant_model", "negative_prompt_ids", "negative_prompt_attention_mask",
+                          "custom_generate", "synced_gpus", "inputs_embeds", "cache",
+                          "past_key_values", "position_ids")
+
+
+@dataclass(frozen=True)
+class Request:
+    max_new_tokens: int
+    do_sample: bool
+    temperature: float
+    top_k: int | None          # None: no top-k filter
+    top_p: float               # 1.0: no nucleus filter
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    seed: int
+
+    @property
+    def sampling_key(self) -> tuple:
+        """What the compiled programs depend on (the values of temperature, top_p and the seed
+        are device data and do not)."""
+        return (self.do_sample, self.top_k, self.top_p < 1.0) if self.do_sample else (False,)
+
+
+def build_request(model, prompt_length: int, generation_config=None, seed=None,
+                  **kwargs) -> Request:
+    """Merge ``kwargs`` into the model's generation config (transformers' own rules), validate."""
+    for name in _UNSUPPORTED_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"generate({name}=...) is not supported by AutoXLA's fixed-shape "
+                             "generation; drop it (or call transformers' own loop: "
+                             "type(model).generate(model, ...), which recompiles every step)")
+        kwargs.pop(name, None)
+    if kwargs.pop("use_cache", True) is False:
+        raise ValueError("generate(use_cache=False) is not supported: AutoXLA's generation always "
+                         "uses its static KV cache; drop use_cache")
+    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    if unused:
+        raise TypeError(f"generate() got unexpected keyword argument(s) {sorted(unused)}: they "
+                        "are not generation settings AutoXLA's generation takes")
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(config, name, neutral)
+        if not (value is None or value is False or value == neutral):
+            raise ValueError(
+                f"generate: {name}={value!r} is not supported by AutoXLA's fixed-shape generation "
+                f"(it would change the output); pass {name}={neutral!r}, or use transformers' own "
+                "loop: type(model).generate(model, ...)")
+    max_new = config.max_new_tokens
+    if max_new is None:
+        max_new = config.max_length - prompt_length
+        if max_new < 1:
+            raise ValueError(f"max_length={config.max_length} leaves no room for new tokens after a "
+                             f"prompt of {prompt_length}: pass max_new_tokens=N")
+    if not isinstance(max_new, int) or max_new < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
+    eos = config.eos_token_id
+    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    pad = config.pad_token_id
+    if pad is None:
+        pad = eos[0] if eos else 0   # as transformers: pad with EOS; nothing is padded without EOS
+    do_sample = bool(config.do_sample)
+    temperature = float(config.temperature)
+    top_k = config.top_k
+    top_p = float(config.top_p)
+    if do_sample:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}; for "
+                             "greedy decoding pass do_sample=False")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+            raise ValueError(f"top_k must be a non-negative int, got {top_k!r}")
+        top_k = top_k or None           # 0 means no top-k filter, as in transformers
+    if seed is None:
+        # transformers samples from torch's global generator: torch.manual_seed(s) before
+        # generate makes a run repeatable here too.
+        seed = int(torch.randint(0, 2**31 - 1, (), dtype=torch.int64))
+    if not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    return Request(max_new, do_sample, temperature, top_k if do_sample else None,
+                   top_p if do_sample else 1.0, eos, int(pad), seed)

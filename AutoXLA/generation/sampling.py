@@ -1,0 +1,77 @@
+"""Choosing the next token on the device: greedy, or temperature, top-k and top-p sampling.
+
+Sampling is the Gumbel-max trick (argmax of logits + Gumbel noise draws from the softmax) with
+noise from a counter-based hash of (seed, step, row, token id) in plain integer ops. So a draw
+depends only on those four numbers: the same seed gives the same tokens whatever the batch bucket,
+the sharding or the runtime's RNG state, and no RNG state needs to live on the device. The step
+and seed are device data, so every step runs the same compiled program.
+
+Filters follow transformers' warpers in their order (temperature, then top-k, then top-p).
+"""
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32     # products wrap in int64; the low 32 bits stay exact
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, step: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float32 in (0, 1), a pure function of (seed, step, row, column)."""
+    device = seed.device
+    h = _mix32((seed + step * 0x9E3779B9) & _MASK32)
+    row = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
+    col = torch.arange(vocab, device=device, dtype=torch.int64).unsqueeze(0)
+    h = _mix32((h ^ (row * 0x27D4EB2F)) & _MASK32)
+    h = _mix32((h ^ (col * 0x165667B1)) & _MASK32)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)
+
+
+def gumbel(seed, step, rows: int, vocab: int) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform(seed, step, rows, vocab)))
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: int | None,
+                  top_p: torch.Tensor | None) -> torch.Tensor:
+    """transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, in order."""
+    scores = logits.float() / temperature
+    if top_k is not None:
+        k = min(top_k, scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None:
+        ordered, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[:, -1] = False          # keep at least the most likely token
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    return scores
+
+
+def next_tokens(logits: torch.Tensor, sampler: "Sampler", step: torch.Tensor) -> torch.Tensor:
+    """[batch, vocab] logits -> [batch] int64 token ids."""
+    if not sampler.do_sample:
+        return torch.argmax(logits, dim=-1)
+    scores = filter_logits(logits, sampler.temperature, sampler.top_k, sampler.top_p)
+    rows, vocab = scores.shape
+    return torch.argmax(scores + gumbel(sampler.seed, step, rows, vocab), dim=-1)
+
+
+class Sampler:
+    """A request's sampling settings as device tensors (values change nothing compiled)."""
+
+    def __init__(self, request, device):
+        self.do_sample = request.do_sample
+        self.top_k = request.top_k
+        self.temperature = torch.tensor(request.temperature, dtype=torch.float32, device=device)
+        self.top_p = (torch.tensor(request.top_p, dtype=torch.float32, device=device)
+                      if request.top_p < 1.0 else None)
+        self.seed = torch.tensor(request.seed, dtype=torch.int64, device=device)
