@@ -224,6 +224,14 @@ def compile_count() -> int:
     return _metric_count("CompileTime")
 
 
+def compile_seconds() -> float:
+    """Time spent compiling so far in this process."""
+    _xla()
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("CompileTime")
+    return float(data[1]) / 1e9 if data else 0.0
+
+
 def on_tpu() -> bool:
     """True when the XLA devices are TPUs (the Pallas kernels run only there)."""
     if os.environ.get("PJRT_DEVICE", "").upper() not in ("", "TPU"):
@@ -252,6 +260,26 @@ def pallas_quantized_matmul():
     _xla()
     import torch_xla.experimental.custom_kernel  # noqa: F401  (registers the op)
     return torch.ops.xla.quantized_matmul_int8
+
+
+def compiled_anything() -> bool:
+    """Whether this process has compiled a program yet (the persistent cache must start before)."""
+    torch_xla, _, _ = _xla()
+    return bool(torch_xla._XLAC._xla_computation_cache_is_initialized())
+
+
+def start_persistent_cache(path: str) -> None:
+    """torch_xla's on-disk compilation cache in ``path``; call before anything compiles."""
+    _, xr, _ = _xla()
+    xr.initialize_cache(path, readonly=False)
+
+
+def persistent_cache_counters() -> dict[str, int]:
+    """torch_xla's PersistentCache* counters: Hit, Miss, DeserializeFailure, ..."""
+    _xla()
+    import torch_xla.debug.metrics as met
+    return {name.removeprefix("PersistentCache"): int(met.counter_value(name) or 0)
+            for name in met.counter_names() if name.startswith("PersistentCache")}
 
 
 def transfers_from_device() -> int:

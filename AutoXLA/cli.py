@@ -6,6 +6,12 @@
         weights, no XLA devices.
         --bits plans quantized linears (backends chosen as on a TPU unless --cpu); a checkpoint
         AutoXLA saved quantized shows its quantized tensors without --bits.
+    autoxla generate PATH --prompt TEXT [--strategy fsdp] [--dtype bf16] [--bits 8|4
+                 [--block-size N]] [--attention splash_attention] [--max-new-tokens 64]
+                 [--do-sample [--temperature T] [--top-k K] [--top-p P]] [--seed S]
+                 [--compile-cache DIR]
+        Load sharded, stream the answer to stdout as it is generated, then a summary: load time,
+        programs compiled, compile time, prefill and decode tokens/s.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
         The main job end to end on the embedded tiny model: build a checkpoint, print its plan,
         load it sharded on virtual XLA:CPU devices, generate, check against plain transformers.
@@ -16,6 +22,8 @@ import argparse
 import os
 import sys
 import tempfile
+
+from . import generate_cli
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -94,6 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
     p.add_argument("--cpu", action="store_true", help="choose matmul backends as off a TPU")
     p.set_defaults(func=_cmd_plan)
+    g = sub.add_parser("generate", help="load a checkpoint sharded and stream generated text")
+    generate_cli.add_arguments(g)
+    g.set_defaults(func=lambda a: generate_cli.run(a, _DTYPES))
     d = sub.add_parser("demo", help="build, plan, load, generate and check the tiny default model")
     d.add_argument("--strategy", default="2d")
     d.add_argument("--devices", type=int, default=8)

@@ -2,8 +2,9 @@
 on the device, a persistent compilation cache and ahead-of-time warm-up."""
 from .buckets import GenerationOptions
 from .loop import generate
+from .warmup import WarmupReport, warm_up
 
-__all__ = ["GenerationOptions", "attach", "generate"]
+__all__ = ["GenerationOptions", "WarmupReport", "attach", "generate", "warm_up"]
 
 
 def attach(model, options=None):

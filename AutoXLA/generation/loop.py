@@ -43,8 +43,16 @@ class Stats:
     cache_length: int = 0
     new_tokens: int = 0          # generated per row (steps run, before trimming finished rows)
     steps: int = 0               # decode steps run
-    prefill_seconds: float = 0.0
+    prefill_seconds: float = 0.0     # wall time, compilation included
     decode_seconds: float = 0.0
+    prefill_compile_seconds: float = 0.0
+    decode_compile_seconds: float = 0.0
+
+    def throughput(self, prompt_tokens: int) -> tuple[float, float]:
+        """(prefill, decode) tokens per second, compilation excluded."""
+        prefill = self.prefill_seconds - self.prefill_compile_seconds
+        decode = self.decode_seconds - self.decode_compile_seconds
+        return prompt_tokens / max(prefill, 1e-9), self.steps / max(decode, 1e-9)
 
 
 def pad_prompt(ids: torch.Tensor, mask: torch.Tensor, batch_bucket: int, prompt_bucket: int,
@@ -74,7 +82,7 @@ def default_attention_mask(ids: torch.Tensor, request) -> torch.Tensor:
 
 
 def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generation_config=None,
-             streamer=None, seed=None, **kwargs) -> torch.Tensor:
+             streamer=None, seed=None, _stop_after: int | None = None, **kwargs) -> torch.Tensor:
     """Greedy or sampled generation with transformers' keywords; returns prompt + new tokens
     (pad after a row's EOS) on the prompt's device, like transformers' generate."""
     from ..saving import unwrap
@@ -101,7 +109,8 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     kv = model.autoxla_plan.kv_cache(bb, cache_length, dtype=_activation_dtype(hf))
     if streamer is not None:
         streamer.put(ids)                 # as transformers: the prompt first
-    new = _run(model, prompt, request, kv, options.stop_check_every, streamer, stats, batch)
+    new = _run(model, prompt, request, kv, options.stop_check_every, streamer, stats, batch,
+               _stop_after or request.max_new_tokens)
     model.autoxla_last_generate = stats
     return torch.cat([ids, new], dim=1).to(out_device)
 
@@ -111,7 +120,7 @@ def _activation_dtype(hf) -> torch.dtype:
 
 
 def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: Stats,
-         batch: int) -> torch.Tensor:
+         batch: int, steps: int) -> torch.Tensor:
     import time
 
     dev = backend.device()
@@ -128,16 +137,17 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
     keep = _logits_kwargs(model)
     watch = streamer is not None or bool(request.eos_token_ids)
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), backend.compile_seconds()
     logits = _forward(model, prompt.ids.to(dev), mask, prompt.positions.to(dev), cache, keep)
     token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished, eos, pad)
     backend.sync()
     eos_ids = request.eos_token_ids
     streamed, stopped = _check(done, tokens, streamer, 0, 1, batch, eos_ids) if watch else (0, False)
     stats.prefill_seconds = time.perf_counter() - t0   # with a check, the prefill has run
+    stats.prefill_compile_seconds = backend.compile_seconds() - c0
     steps_run = 1
-    t0 = time.perf_counter()
-    for t in range(1, request.max_new_tokens):
+    t0, c0 = time.perf_counter(), backend.compile_seconds()
+    for t in range(1, min(steps, request.max_new_tokens)):
         if stopped:
             break
         if watch and t % check_every == 0:
@@ -152,6 +162,7 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
         steps_run += 1
     host = tokens.cpu()
     stats.decode_seconds = time.perf_counter() - t0
+    stats.decode_compile_seconds = backend.compile_seconds() - c0
     stats.new_tokens = steps_run
     stats.steps = steps_run - 1
     new = host[:batch, :steps_run]

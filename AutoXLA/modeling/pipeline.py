@@ -10,6 +10,7 @@ from torch import nn
 
 from .. import backend, generation
 from ..attention import patch_attention
+from ..generation import compile_cache
 from ..attention.config import TRANSFORMERS_NAMES
 from ..attention.hf import register as register_attention
 from ..loading import checkpoint as ckpt
@@ -345,6 +346,7 @@ def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool):
 
 def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     """from_pretrained, top to bottom."""
+    compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
     resolved = resolve(path, auto_class, opts)                                       # 1. resolve
     checkpoint = ckpt.locate(path, use_safetensors=opts.use_safetensors, **opts.hub_kwargs)
     quantize_on_meta(resolved, opts.quantization_config, backend.on_tpu())  # 2a. quantized linears
@@ -358,6 +360,7 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
 
 def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
     """from_model, top to bottom: the same steps on a model that already holds its weights."""
+    compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
     resolved = adopt(model, opts)                                                    # 1. adopt
     if opts.quantization_config is not None:                                # 2a. quantize in C
         from ..quantization import ModelQuantizer

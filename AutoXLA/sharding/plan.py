@@ -95,6 +95,15 @@ class Plan:
     def bytes_per_device(self) -> int:
         return sum(t.bytes_per_device for t in self.tensors if not t.tied_to)
 
+    def summary(self) -> str:
+        """One line: model, strategy, mesh, bytes in all and per device."""
+        total, per_dev = self.total_bytes(), self.bytes_per_device()
+        quant = f", {sum(1 for t in self.tensors if t.backend)} linears quantized" if self.quantization else ""
+        return (f"{self.model_class}: strategy {self.strategy}, mesh {self.mesh} on "
+                f"{self.mesh.num_devices} devices, {self.dtype}{quant}; {total / 2**20:.1f} MiB, "
+                f"{per_dev / 2**20:.1f} MiB per device, "
+                f"{len(self.replicated_for_divisibility)} tensor(s) replicated for divisibility")
+
     def kv_cache(self, batch: int, length: int, dtype=None) -> KVCachePlan:
         """The static KV cache generation allocates for ``batch`` sequences of ``length`` slots:
         its spec on this mesh and bytes per device (``.describe(plan.mesh)``)."""

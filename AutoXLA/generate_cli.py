@@ -1,0 +1,79 @@
+"""`autoxla generate PATH --prompt TEXT`: load sharded, stream the answer, then say what it cost.
+
+The prompt goes through the checkpoint's chat template when it has one (--raw skips it). The
+summary line counts what a user pays on an XLA device: load time, programs compiled and the time
+spent compiling, prefill and decode throughput.
+"""
+from __future__ import annotations
+
+import time
+
+
+def add_arguments(p) -> None:
+    p.add_argument("path", help="checkpoint directory (safetensors + config + tokenizer)")
+    p.add_argument("--prompt", required=True, help="the text to answer")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--strategy", default="fsdp", help="fsdp, dp, mp, 2d or 3d (default fsdp)")
+    p.add_argument("--devices", type=int, default=8, help="virtual CPU devices off a TPU (default 8)")
+    p.add_argument("--dtype", default="auto", help="bf16, fp16, fp32 or auto (the checkpoint's)")
+    p.add_argument("--bits", type=int, default=None, help="quantize linears to int8 (8) or int4 (4)")
+    p.add_argument("--block-size", type=int, default=-1, help="elements per scale (-1: per channel)")
+    p.add_argument("--attention", default="eager",
+                   help="eager, xla_flash_attention or splash_attention (default eager)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--compile-cache", default=None, help="directory of the persistent compile cache")
+
+
+def run(args, dtypes: dict) -> int:
+    from . import backend
+
+    backend.use_cpu_devices(args.devices)
+    from transformers import AutoTokenizer, TextStreamer
+
+    from .modeling import AutoXLAModelForCausalLM
+    from .quantization import QuantizationConfig
+
+    dtype = "auto" if args.dtype == "auto" else dtypes.get(args.dtype.lower())
+    if dtype is None:
+        raise ValueError(f"unknown dtype {args.dtype!r}; use auto or one of {', '.join(sorted(dtypes))}")
+    quant = None
+    if args.bits is not None:
+        quant = QuantizationConfig(n_bits=args.bits, block_size=args.block_size)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{args.path} has no tokenizer transformers can load ({first}); "
+                         "autoxla generate needs the tokenizer files saved beside the weights "
+                         "(tokenizer.save_pretrained(PATH))") from e
+    t0 = time.perf_counter()
+    model = AutoXLAModelForCausalLM.from_pretrained(
+        args.path, sharding_strategy=args.strategy, dtype=dtype, quantization_config=quant,
+        attn_implementation=args.attention, compile_cache=args.compile_cache)
+    load_seconds = time.perf_counter() - t0
+    print(f"plan: {model.autoxla_plan.summary()}", flush=True)
+    text = args.prompt if args.raw or not tokenizer.chat_template else tokenizer.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=args.raw or not tokenizer.chat_template)
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
+                                  ("top_p", args.top_p)) if v is not None}
+    compiles, compile_s = backend.compile_count(), backend.compile_seconds()
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
+                         max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                         seed=args.seed, streamer=streamer, **sampling)
+    stats = model.autoxla_last_generate
+    new = out.shape[1] - ids["input_ids"].shape[1]
+    prompt_len = ids["input_ids"].shape[1]
+    prefill_tps, decode_tps = stats.throughput(prompt_len)
+    print(f"\nsummary: loaded in {load_seconds:.1f} s; {backend.compile_count() - compiles} programs "
+          f"compiled in {backend.compile_seconds() - compile_s:.1f} s; prefill {prompt_len} tokens "
+          f"at {prefill_tps:.1f} tokens/s, decode {stats.steps} steps at {decode_tps:.1f} tokens/s "
+          f"(compilation excluded); {new} new tokens; buckets: batch {stats.batch_bucket}, "
+          f"prompt {stats.prompt_bucket}, cache {stats.cache_length}")
+    return 0
