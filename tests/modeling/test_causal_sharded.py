@@ -25,6 +25,16 @@ def test_logits_and_sharding_match(family, strategy, fsdp_wrap, checkpoints, ref
         expected = reference_models(family)(input_ids=ids, attention_mask=mask).logits
     valid = mask.bool()
     assert_close(out.logits.cpu()[valid], expected[valid], what=f"{family}/{strategy} logits")
+    # 8 rows: a batch every strategy splits over its data and fsdp axes (2 rows are replicated
+    # on most meshes, which once hid wrong rows under 3d).
+    rows = torch.cat([ids, torch.randint(3, 200, (6, ids.shape[1]),
+                                         generator=torch.Generator().manual_seed(1))])
+    rows_mask = torch.cat([mask, torch.ones(6, ids.shape[1], dtype=mask.dtype)])
+    with torch.no_grad():
+        out8 = model(input_ids=rows.to(dev), attention_mask=rows_mask.to(dev)).logits.cpu()
+        expected8 = reference_models(family)(input_ids=rows, attention_mask=rows_mask).logits
+    assert_close(out8[rows_mask.bool()], expected8[rows_mask.bool()],
+                 what=f"{family}/{strategy} logits, batch 8")
 
     plan = model.autoxla_plan
     n = check_sharding_matches_plan(model, plan, model.autoxla_mesh)
