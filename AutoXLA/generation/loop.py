@@ -139,7 +139,8 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
 
     t0, c0 = time.perf_counter(), backend.compile_seconds()
     logits = _forward(model, prompt.ids.to(dev), mask, prompt.positions.to(dev), cache, keep)
-    token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished, eos, pad)
+    token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished, eos, pad,
+                                                   mesh)
     backend.sync()
     eos_ids = request.eos_token_ids
     streamed, stopped = _check(done, tokens, streamer, 0, 1, batch, eos_ids) if watch else (0, False)
@@ -157,7 +158,7 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
         positions = (lengths + step - 1).unsqueeze(1)
         logits = _forward(model, token.unsqueeze(1), mask, positions, cache, keep)
         token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished,
-                                                       eos, pad)
+                                                       eos, pad, mesh)
         backend.sync()
         steps_run += 1
     host = tokens.cpu()
@@ -211,10 +212,13 @@ def _forward(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
     return out.logits[:, -1, :]
 
 
-def _advance(logits, sampler, step, tokens, finished, eos, pad: int):
+def _advance(logits, sampler, step, tokens, finished, eos, pad: int, mesh):
     """Pick each row's next token (pad once a row finished), record it, update the flags."""
     token = next_tokens(logits, sampler, step)
     token = torch.where(finished, torch.full_like(token, pad), token)
     tokens = tokens.index_copy(1, step.reshape(1), token.unsqueeze(1))
+    # Replicated, so reading it back is a plain copy: a batch-sharded result would need a
+    # gathering program compiled for each cache length.
+    backend.mark_sharding(tokens, mesh, (None, None))
     finished = finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1)
     return token, tokens, finished, finished.all(), step + 1
