@@ -1,11 +1,12 @@
 """The `autoxla` command.
 
     autoxla plan PATH_OR_CONFIG [--strategy 2d] [--devices 8] [--dtype bf16] [--json]
-                 [--bits 8|4 [--block-size 64] [--asym] [--cpu]]
+                 [--bits 8|4 [--block-size 64] [--asym] [--cpu]] [--batch B --max-len L]
         The sharding plan of a checkpoint (causal LM or segmentation) from its config alone: no
         weights, no XLA devices.
         --bits plans quantized linears (backends chosen as on a TPU unless --cpu); a checkpoint
         AutoXLA saved quantized shows its quantized tensors without --bits.
+        --batch/--max-len add generation's static KV cache: spec and bytes per device.
     autoxla generate PATH --prompt TEXT [--strategy fsdp] [--dtype bf16] [--bits 8|4
                  [--block-size N]] [--attention splash_attention] [--max-new-tokens 64]
                  [--do-sample [--temperature T] [--top-k K] [--top-p P]] [--seed S]
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -73,7 +75,22 @@ def _cmd_plan(args) -> int:
         raise ValueError("--block-size and --asym describe quantization: add --bits 8 or --bits 4")
     plan = plan_from_config(args.path, args.strategy, args.devices, args.dtype, qcfg,
                             on_tpu=not args.cpu)
-    print(plan.to_json(indent=1) if args.json else plan)
+    kv = None
+    if args.batch is not None or args.max_len is not None:
+        if args.batch is None or args.max_len is None:
+            raise ValueError("--batch and --max-len go together: the KV cache of BATCH sequences "
+                             "of MAX_LEN tokens")
+        kv = plan.kv_cache(args.batch, args.max_len)
+    if args.json:
+        d = plan.to_dict()
+        if kv is not None:
+            d["kv_cache"] = {**kv.__dict__, "bytes_per_device": kv.bytes_per_device(plan.mesh),
+                             "total_bytes": kv.total_bytes}
+        print(json.dumps(d, indent=1))
+    else:
+        print(plan)
+        if kv is not None:
+            print(kv.describe(plan.mesh))
     return 0
 
 
@@ -101,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=-1, help="elements per scale (-1: per channel)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
     p.add_argument("--cpu", action="store_true", help="choose matmul backends as off a TPU")
+    p.add_argument("--batch", type=int, default=None, help="with --max-len: plan the KV cache")
+    p.add_argument("--max-len", type=int, default=None, help="KV cache length (slots)")
     p.set_defaults(func=_cmd_plan)
     g = sub.add_parser("generate", help="load a checkpoint sharded and stream generated text")
     generate_cli.add_arguments(g)

@@ -31,26 +31,34 @@ def _load(checkpoints, strategy, gc):
     return model
 
 
-def _train(model, steps):
+def _train(model, steps, compiles=None):
+    """``steps`` AdamW steps; the losses. ``compiles`` (a list) gets the programs each compiled."""
     dev = backend.device()
     ids, labels = (t.to(dev) for t in _batch())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
+        before = backend.compile_count()
         opt.zero_grad()
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
         backend.sync()
         losses.append(loss.item())
+        if compiles is not None:
+            compiles.append(backend.compile_count() - before)
     return losses
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "2d"])
 def test_training_steps(strategy, checkpoints, reference_models, xla_devices):
     ref = _reference_loss(reference_models)
-    plain = _train(_load(checkpoints, strategy, gc=False), steps=5)
+    compiles = []
+    plain = _train(_load(checkpoints, strategy, gc=False), steps=5, compiles=compiles)
     assert abs(plain[0] - ref) <= LOSS_TOL, (plain[0], ref)
+    # Step 1 compiles the step, step 2 the step with the optimizer state now on the devices;
+    # every later step reuses them.
+    assert compiles[0] > 0 and compiles[2:] == [0, 0, 0], compiles
     assert plain[-1] < plain[0] - 0.1, f"5 AdamW steps did not lower the loss: {plain}"
     checkpointed = _train(_load(checkpoints, strategy, gc=True), steps=2)
     # Checkpointing recomputes the same ops in backward: losses (and so the first update) agree.
