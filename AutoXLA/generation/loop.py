@@ -81,6 +81,7 @@ def default_attention_mask(ids: torch.Tensor, request) -> torch.Tensor:
     return torch.ones_like(ids)
 
 
+@torch.no_grad()   # as transformers' generate: no autograd graph across the steps
 def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generation_config=None,
              streamer=None, seed=None, _stop_after: int | None = None, **kwargs) -> torch.Tensor:
     """Greedy or sampled generation with transformers' keywords; returns prompt + new tokens
