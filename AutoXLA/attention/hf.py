@@ -150,11 +150,17 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     cfg = layer.config
+    block_q, block_kv = cfg.sa_block_q, cfg.sa_block_kv
+    if dense is not None and sq <= block_q:
+        # A dense mask skips no block, so kv tiles would only unroll the graph (XLA:CPU's compile
+        # time grows much faster than the tile count). With one query block, as when decoding
+        # over a static cache, the scores of all keys are one block's rows: take them at once.
+        block_kv = skv
     out = blockwise_attention(
         query, key, value, scale=scale, causal=causal and (structured or dense is None),
         window=window, softcap=softcap, q_segment_ids=segments, kv_segment_ids=segments,
         mask=dense, q_offset=skv - sq if dense is None else 0,
-        block_q=cfg.sa_block_q, block_kv=cfg.sa_block_kv)
+        block_q=block_q, block_kv=block_kv)
     return out.transpose(1, 2).contiguous(), None
 
 

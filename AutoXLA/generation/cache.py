@@ -27,8 +27,19 @@ def allocate(kv: KVCachePlan, mesh, device):
         layer = StaticLayer(max_cache_len=kv.length)
         probe = torch.empty((kv.batch, kv.kv_heads, 1, kv.head_dim), dtype=dtype, device=device)
         layer.lazy_initialization(probe, probe)    # transformers' own set-up, then our sharding
-        if any(a is not None for a in kv.spec):
-            backend.mark_sharding(layer.keys, mesh, kv.spec)
-            backend.mark_sharding(layer.values, mesh, kv.spec)
         layers.append(layer)
-    return Cache(layers=layers)
+    cache = Cache(layers=layers)
+    pin(cache, kv, mesh)
+    return cache
+
+
+def pin(cache, kv: KVCachePlan, mesh) -> None:
+    """Re-annotate every layer's K and V with the planned spec (after each step writes them).
+
+    Otherwise their sharding is whatever XLA's propagation gave the step's outputs, which may
+    differ between the prefill and a decode step: a different input sharding is a different
+    program, and the first decode step would compile one of its own.
+    """
+    for layer in cache.layers:
+        backend.mark_sharding(layer.keys, mesh, kv.spec)
+        backend.mark_sharding(layer.values, mesh, kv.spec)

@@ -2,8 +2,8 @@
 one decode program per (batch, cache) bucket, reused for every token.
 
 Per call: the prompt is padded up to its buckets on the host, the static KV cache is allocated at
-the cache bucket, one prefill step writes the prompt's keys and values and picks the first token,
-then each decode step feeds one token per row. Everything a step changes (the cache, its fill
+the cache bucket, one prefill step runs the prompt (as an ordinary forward), copies its keys and
+values into the cache and picks the first token, then each decode step feeds one token per row. Everything a step changes (the cache, its fill
 level, the step counter, the tokens so far, which rows finished) lives on the device, so every
 decode step traces to the same graph and runs the program compiled for the first one. The host
 looks at the device only every ``stop_check_every`` steps (has every row finished?) and once at
@@ -18,7 +18,7 @@ import torch
 
 from .. import backend
 from .buckets import GenerationOptions
-from .cache import allocate
+from .cache import allocate, pin
 from .request import build_request
 from .sampling import Sampler, next_tokens
 
@@ -130,16 +130,19 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
     sampler = Sampler(request, dev)
     eos = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.int64, device=dev)
     pad = request.pad_token_id
-    mask = prompt.mask.to(dev)
-    lengths = prompt.lengths.to(dev)
-    finished = prompt.finished.to(dev)
+    # Inputs from the host are replicated from the start: a tensor first used by the first
+    # decode step would otherwise enter it unsharded and every later step replicated, two
+    # different programs.
+    mask, lengths, finished = (_replicated(t.to(dev), mesh)
+                               for t in (prompt.mask, prompt.lengths, prompt.finished))
     tokens = torch.full((kv.batch, kv.length), pad, dtype=torch.int64, device=dev)
     step = torch.zeros((), dtype=torch.int64, device=dev)
     keep = _logits_kwargs(model)
     watch = streamer is not None or bool(request.eos_token_ids)
 
     t0, c0 = time.perf_counter(), backend.compile_seconds()
-    logits = _forward(model, prompt.ids.to(dev), mask, prompt.positions.to(dev), cache, keep)
+    logits = _prefill(model, prompt, cache, dev, keep)
+    pin(cache, kv, mesh)
     token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished, eos, pad,
                                                    mesh)
     backend.sync()
@@ -158,6 +161,7 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
                 break
         positions = (lengths + step - 1).unsqueeze(1)
         logits = _forward(model, token.unsqueeze(1), mask, positions, cache, keep)
+        pin(cache, kv, mesh)
         token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished,
                                                        eos, pad, mesh)
         backend.sync()
@@ -174,6 +178,10 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
             streamer.put(new[0, streamed:])
         streamer.end()
     return new
+
+
+def _replicated(t: torch.Tensor, mesh) -> torch.Tensor:
+    return backend.mark_sharding(t, mesh, (None,) * t.dim())
 
 
 def _check(done, tokens, streamer, streamed: int, upto: int, batch: int, eos_ids):
@@ -207,6 +215,26 @@ def _logits_kwargs(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
+def _prefill(model, prompt: Prompt, cache, dev, keep: dict) -> torch.Tensor:
+    """The prompt's forward with transformers' dynamic cache, then its keys and values copied
+    into the static cache's first slots. Queries and keys then have the same length, as in any
+    forward: transformers builds its usual causal (and window) masks, and the attention kernels
+    take their structured path (block skipping; the Pallas kernel on a TPU) instead of a dense
+    mask over the whole cache."""
+    from transformers.cache_utils import DynamicCache
+
+    length = prompt.ids.shape[1]
+    prompt_cache = DynamicCache()     # no config: full layers, the sliding ones too
+    logits = _forward(model, prompt.ids.to(dev), prompt.mask[:, :length].to(dev),
+                      prompt.positions.to(dev), prompt_cache, keep)
+    slots = torch.arange(length, device=dev)
+    for static, filled in zip(cache.layers, prompt_cache.layers):
+        static.keys.index_copy_(2, slots, filled.keys)
+        static.values.index_copy_(2, slots, filled.values)
+        static.cumulative_length.add_(length)
+    return logits
+
+
 def _forward(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, **keep)
@@ -218,8 +246,12 @@ def _advance(logits, sampler, step, tokens, finished, eos, pad: int, mesh):
     token = next_tokens(logits, sampler, step)
     token = torch.where(finished, torch.full_like(token, pad), token)
     tokens = tokens.index_copy(1, step.reshape(1), token.unsqueeze(1))
-    # Replicated, so reading it back is a plain copy: a batch-sharded result would need a
-    # gathering program compiled for each cache length.
+    # The state carried to the next step, replicated (it is a few integers per row): reading
+    # the tokens back is then a plain copy (a batch-sharded result needs a gathering program
+    # per cache length), and the first decode step gets inputs sharded as every later one
+    # (the prefill's outputs are otherwise sharded by its own propagation: one more program).
     backend.mark_sharding(tokens, mesh, (None, None))
+    backend.mark_sharding(token, mesh, (None,))
     finished = finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1)
+    backend.mark_sharding(finished, mesh, (None,))
     return token, tokens, finished, finished.all(), step + 1
