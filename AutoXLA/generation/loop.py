@@ -12,6 +12,7 @@ the end (the tokens).
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -122,8 +123,6 @@ def _activation_dtype(hf) -> torch.dtype:
 
 def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: Stats,
          batch: int, steps: int) -> torch.Tensor:
-    import time
-
     dev = backend.device()
     mesh = model.autoxla_mesh
     cache = allocate(kv, mesh, dev)
@@ -138,7 +137,8 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
     tokens = torch.full((kv.batch, kv.length), pad, dtype=torch.int64, device=dev)
     step = torch.zeros((), dtype=torch.int64, device=dev)
     keep = _logits_kwargs(model)
-    watch = streamer is not None or bool(request.eos_token_ids)
+    eos_ids = request.eos_token_ids
+    watch = streamer is not None or bool(eos_ids)   # else nothing to look at before the end
 
     t0, c0 = time.perf_counter(), backend.compile_seconds()
     logits = _prefill(model, prompt, cache, dev, keep)
@@ -146,7 +146,6 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
     token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished, eos, pad,
                                                    mesh)
     backend.sync()
-    eos_ids = request.eos_token_ids
     streamed, stopped = _check(done, tokens, streamer, 0, 1, batch, eos_ids) if watch else (0, False)
     stats.prefill_seconds = time.perf_counter() - t0   # with a check, the prefill has run
     stats.prefill_compile_seconds = backend.compile_seconds() - c0
@@ -171,8 +170,7 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
     stats.decode_compile_seconds = backend.compile_seconds() - c0
     stats.new_tokens = steps_run
     stats.steps = steps_run - 1
-    new = host[:batch, :steps_run]
-    new = _trim(new, request.eos_token_ids)
+    new = _trim(host[:batch, :steps_run], eos_ids)
     if streamer is not None:
         if batch == 1:
             streamer.put(new[0, streamed:])
