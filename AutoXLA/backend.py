@@ -211,12 +211,17 @@ def fsdpv2():
     return SpmdFullyShardedDataParallel, transformer_auto_wrap_policy, checkpoint_module
 
 
-def _metric_count(name: str) -> int:
-    """How many samples torch_xla's metric ``name`` has recorded in this process."""
+def _metric(name: str) -> tuple[int, float]:
+    """(samples, accumulated value) of torch_xla's metric ``name`` in this process."""
     _xla()
     import torch_xla.debug.metrics as met
     data = met.metric_data(name)
-    return int(data[0]) if data else 0
+    return (int(data[0]), float(data[1])) if data else (0, 0.0)
+
+
+def _metric_count(name: str) -> int:
+    """How many samples torch_xla's metric ``name`` has recorded in this process."""
+    return _metric(name)[0]
 
 
 def compile_count() -> int:
@@ -225,11 +230,8 @@ def compile_count() -> int:
 
 
 def compile_seconds() -> float:
-    """Time spent compiling so far in this process."""
-    _xla()
-    import torch_xla.debug.metrics as met
-    data = met.metric_data("CompileTime")
-    return float(data[1]) / 1e9 if data else 0.0
+    """Time spent compiling so far in this process (the metric accumulates nanoseconds)."""
+    return _metric("CompileTime")[1] / 1e9
 
 
 def on_tpu() -> bool:

@@ -37,6 +37,7 @@ def run(args, dtypes: dict) -> int:
 
     from .modeling import AutoXLAModelForCausalLM
     from .quantization import QuantizationConfig
+    from .real_model import chat_prompt
 
     dtype = "auto" if args.dtype == "auto" else dtypes.get(args.dtype.lower())
     if dtype is None:
@@ -57,9 +58,10 @@ def run(args, dtypes: dict) -> int:
         attn_implementation=args.attention, compile_cache=args.compile_cache)
     load_seconds = time.perf_counter() - t0
     print(f"plan: {model.autoxla_plan.summary()}", flush=True)
-    text = args.prompt if args.raw or not tokenizer.chat_template else tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=args.raw or not tokenizer.chat_template)
+    templated = not args.raw and bool(tokenizer.chat_template)
+    text = chat_prompt(tokenizer, args.prompt) if templated else args.prompt
+    # The template already holds the special tokens; a raw prompt gets the tokenizer's own.
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=not templated)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
                                   ("top_p", args.top_p)) if v is not None}
     compiles, compile_s = backend.compile_count(), backend.compile_seconds()

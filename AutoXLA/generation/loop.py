@@ -3,9 +3,10 @@ one decode program per (batch, cache) bucket, reused for every token.
 
 Per call: the prompt is padded up to its buckets on the host, the static KV cache is allocated at
 the cache bucket, one prefill step runs the prompt (as an ordinary forward), copies its keys and
-values into the cache and picks the first token, then each decode step feeds one token per row. Everything a step changes (the cache, its fill
-level, the step counter, the tokens so far, which rows finished) lives on the device, so every
-decode step traces to the same graph and runs the program compiled for the first one. The host
+values into the cache and picks the first token, then each decode step feeds one token per row.
+Everything a step changes (the cache, its fill level, the step counter, the tokens so far, which
+rows finished) lives on the device, so every decode step traces to the same graph and runs the
+program compiled for the first one. The host
 looks at the device only every ``stop_check_every`` steps (has every row finished?) and once at
 the end (the tokens).
 """
@@ -43,11 +44,15 @@ class Stats:
     prompt_bucket: int = 0
     cache_length: int = 0
     new_tokens: int = 0          # generated per row (steps run, before trimming finished rows)
-    steps: int = 0               # decode steps run
     prefill_seconds: float = 0.0     # wall time, compilation included
     decode_seconds: float = 0.0
     prefill_compile_seconds: float = 0.0
     decode_compile_seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run: every new token but the prefill's."""
+        return max(self.new_tokens - 1, 0)
 
     def throughput(self, prompt_tokens: int) -> tuple[float, float]:
         """(prefill, decode) tokens per second, compilation excluded."""
@@ -169,7 +174,6 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
     stats.decode_seconds = time.perf_counter() - t0
     stats.decode_compile_seconds = backend.compile_seconds() - c0
     stats.new_tokens = steps_run
-    stats.steps = steps_run - 1
     new = _trim(host[:batch, :steps_run], eos_ids)
     if streamer is not None:
         if batch == 1:
@@ -248,8 +252,6 @@ def _advance(logits, sampler, step, tokens, finished, eos, pad: int, mesh):
     # the tokens back is then a plain copy (a batch-sharded result needs a gathering program
     # per cache length), and the first decode step gets inputs sharded as every later one
     # (the prefill's outputs are otherwise sharded by its own propagation: one more program).
-    backend.mark_sharding(tokens, mesh, (None, None))
-    backend.mark_sharding(token, mesh, (None,))
-    finished = finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1)
-    backend.mark_sharding(finished, mesh, (None,))
+    tokens, token = _replicated(tokens, mesh), _replicated(token, mesh)
+    finished = _replicated(finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1), mesh)
     return token, tokens, finished, finished.all(), step + 1

@@ -10,9 +10,9 @@ from torch import nn
 
 from .. import backend, generation
 from ..attention import patch_attention
-from ..generation import compile_cache
 from ..attention.config import TRANSFORMERS_NAMES
 from ..attention.hf import register as register_attention
+from ..generation import compile_cache
 from ..loading import checkpoint as ckpt
 from ..loading import streaming
 from ..sharding.mesh import mesh_shape_for
@@ -50,7 +50,8 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
             "attn_implementation, attention_config, do_quant, quantization_config, "
-            "xla_patch_linear, generation_options, compile_cache) nor fields of the model's config; check the spelling")
+            "xla_patch_linear, generation_options, compile_cache) nor fields of the model's "
+            "config; check the spelling")
     config._attn_implementation = opts.attn_implementation
     if opts.attn_implementation != "eager":
         register_attention()   # transformers must know the name before the model is built

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rules
-from .mesh import MeshShape
+from .mesh import MeshShape, format_spec
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,8 @@ class KVCachePlan:
         return 2 * self.layers * math.prod(shard) * self._element_size()
 
     def describe(self, mesh: MeshShape) -> str:
-        spec = ", ".join("-" if a is None else (a if isinstance(a, str) else "+".join(a))
-                         for a in self.spec)
         line = (f"KV cache at batch {self.batch}, length {self.length}: {self.layers} layers x K,V "
-                f"[{'x'.join(map(str, self.shape))}] {self.dtype}, spec ({spec}), "
+                f"[{'x'.join(map(str, self.shape))}] {self.dtype}, spec {format_spec(self.spec)}, "
                 f"{self.bytes_per_device(mesh) / 2**20:.2f} MiB per device "
                 f"({self.total_bytes / 2**20:.2f} MiB in all)")
         return line + (f"; {self.reason}" if self.reason else "")

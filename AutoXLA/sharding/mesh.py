@@ -57,6 +57,15 @@ class MeshShape:
         return "x".join(f"{a}={s}" for a, s in zip(AXES, self.sizes))
 
 
+def format_spec(spec: tuple) -> str:
+    """A partition spec as the plan prints it: ``(fsdp+data, model, -)``."""
+    def one(a):
+        if a is None:
+            return "-"
+        return a if isinstance(a, str) else "+".join(a)
+    return "(" + ", ".join(one(a) for a in spec) + ")"
+
+
 def normalize_strategy(strategy: str) -> str:
     """Canonical name of a strategy, or a ValueError that lists the valid ones."""
     if not isinstance(strategy, str) or strategy.strip().lower() not in _ALIASES:

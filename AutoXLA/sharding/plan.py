@@ -14,7 +14,7 @@ from torch import nn
 
 from . import rules
 from .kv_cache import KVCachePlan, attention_shape, kv_cache_for
-from .mesh import AXES, MeshShape
+from .mesh import AXES, MeshShape, format_spec
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,7 @@ class TensorPlan:
 
     @property
     def spec_str(self) -> str:
-        def one(a):
-            if a is None:
-                return "-"
-            return a if isinstance(a, str) else "+".join(a)
-        return "(" + ", ".join(one(a) for a in self.spec) + ")" if self.spec else "()"
+        return format_spec(self.spec)
 
 
 @dataclass
