@@ -200,6 +200,19 @@ def sharding_spec(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
+def scan_loop(fn, init, xs, reverse: bool = False):
+    """torch_xla's scan loop without its autograd layer: ``fn(carry, x) -> (carry, y)`` traced
+    once into an XLA While whose body runs once per leading index of ``xs``; returns (carry,
+    stacked ys). Tensors ``fn`` reads from its closure become loop inputs (read-only). The public
+    ``scan`` traces ``fn`` with AOTAutograd instead, which refuses closures over device tensors
+    and integer carries, and saves every step's activations even when no gradient is wanted.
+    """
+    _xla()
+    from torch_xla.experimental.scan import _scan_impl_pytree
+
+    return _scan_impl_pytree(fn, init, xs, reverse=reverse)
+
+
 def fsdpv2():
     """torch_xla's SpmdFullyShardedDataParallel and the helpers that go with it."""
     _xla()

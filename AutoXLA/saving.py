@@ -45,6 +45,7 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out, seen = {}, set()
     named = list(model.named_parameters(remove_duplicate=False))
     named += [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent]
+    named = _unstacked(model, named)
     for name, t in named:
         if t is None or id(t) in seen:
             continue
@@ -52,6 +53,27 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         # FSDPv2 wraps each decoder layer and keeps it as `_orig_module`: save the model's names.
         out[name.replace(_FSDP_WRAPPED, "")] = t
     return out
+
+
+def _unstacked(model: nn.Module, named: list) -> list:
+    """A scanned decoder stack (modeling/scan.py) holds ``[layers, ...]`` tensors: save them under
+    the per-layer names transformers' checkpoints use, each layer's slice."""
+    for prefix, m in model.named_modules():
+        if not hasattr(m, "per_layer_items"):
+            continue
+        prefix = prefix.replace(_FSDP_WRAPPED, "")
+        stacked = f"{prefix}.stacked." if prefix else "stacked."
+        head = [(n, t) for n, t in named if not n.replace(_FSDP_WRAPPED, "").startswith(stacked)]
+        at = next((i for i, (n, _) in enumerate(named)
+                   if n.replace(_FSDP_WRAPPED, "").startswith(stacked)), len(head))
+        named = head[:at] + sorted(m.per_layer_items(f"{prefix}." if prefix else ""),
+                                   key=lambda item: _layer_order(item[0])) + head[at:]
+    return named
+
+
+def _layer_order(name: str):
+    parts = name.split(".")
+    return [int(p) if p.isdigit() else 0 for p in parts[:-1]], name
 
 
 def _parse_size(size) -> int:

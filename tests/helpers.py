@@ -46,9 +46,13 @@ def check_sharding_matches_plan(model, plan, mesh):
     backend.sync()
     inner = getattr(model, "module", model)
     params = dict(_unwrapped_named_parameters(inner))
+    stacked = _stacked_layers(inner)
     checked = 0
     # Parameters, and the quantized weights, scales and zero points (buffers the plan shards).
     for t in [t for t in plan if not t.is_buffer or t.quant]:
+        if t.name in stacked:
+            checked += _check_stacked_layer(t, *stacked[t.name], mesh)
+            continue
         p = params[t.name]
         actual = backend.sharding_spec(p)
         expected = reference_sharding_string(tuple(t.shape), t.spec, id(mesh))
@@ -64,6 +68,41 @@ def check_sharding_matches_plan(model, plan, mesh):
             assert torch.equal(shard.data, full[idx]), f"{t.name}: shard data misplaced"
         checked += 1
     return checked
+
+
+def _stacked_layers(model):
+    """Per-layer plan name -> (the scanned stack's [layers, ...] tensor, layer index)."""
+    from AutoXLA.modeling.scan import StackedDecoderLayers
+
+    out = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, StackedDecoderLayers):
+            prefix = prefix.replace("_orig_module.", "")
+            for name, t in m.stacked_tensors().items():
+                for i in range(len(m)):
+                    out[f"{prefix}.{i}.{name}"] = (t, i)
+    return out
+
+
+def _check_stacked_layer(t, stacked, index, mesh):
+    """A layer tensor of a scanned stack: the stack is sharded as the layer's plan with the layer
+    axis unsplit, and each device's shard of this layer is the planned shard."""
+    from AutoXLA import backend
+    from torch_xla.distributed.spmd import XLAShardedTensor
+
+    actual = backend.sharding_spec(stacked)
+    if all(a is None for a in t.spec):
+        assert actual in ("{replicated}", ""), f"{t.name}: planned replicated, stack is {actual}"
+    else:
+        expected = reference_sharding_string((stacked.shape[0], *t.shape), (None, *t.spec), id(mesh))
+        assert actual == expected, f"{t.name}: planned {t.spec_str}, stack is {actual}"
+    full = stacked.detach().cpu()
+    for shard in XLAShardedTensor(stacked.detach()).local_shards:
+        assert tuple(shard.data.shape[1:]) == tuple(t.shard_shape), (
+            f"{t.name}: shard shape {tuple(shard.data.shape[1:])} != planned {t.shard_shape}")
+        idx = shard.indices if shard.indices is Ellipsis else tuple(shard.indices)
+        assert torch.equal(shard.data[index], full[idx][index]), f"{t.name}: shard data misplaced"
+    return 1
 
 
 def _unwrapped_named_parameters(module):

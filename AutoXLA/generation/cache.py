@@ -17,12 +17,22 @@ from .. import backend
 from ..sharding.kv_cache import KVCachePlan
 
 
-def allocate(kv: KVCachePlan, mesh, device):
-    """An empty ``transformers.Cache`` of ``kv.layers`` static layers, each K and V sharded."""
+def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
+    """An empty ``transformers.Cache`` of ``kv.layers`` static layers, each K and V sharded; for a
+    scanned decoder stack (``stacked``), one ``[layers, ...]`` K and V that the loop indexes."""
     from transformers.cache_utils import Cache, StaticLayer
 
-    layers = []
     dtype = getattr(torch, kv.dtype)
+    if stacked:
+        from ..modeling.scan import StackedStaticCache
+
+        shape = (kv.layers, kv.batch, kv.kv_heads, kv.length, kv.head_dim)
+        cache = StackedStaticCache.make(kv.layers, kv.length,
+                                        torch.zeros(shape, dtype=dtype, device=device),
+                                        torch.zeros(shape, dtype=dtype, device=device))
+        pin(cache, kv, mesh)
+        return cache
+    layers = []
     for _ in range(kv.layers):
         layer = StaticLayer(max_cache_len=kv.length)
         probe = torch.empty((kv.batch, kv.kv_heads, 1, kv.head_dim), dtype=dtype, device=device)
@@ -40,6 +50,23 @@ def pin(cache, kv: KVCachePlan, mesh) -> None:
     differ between the prefill and a decode step: a different input sharding is a different
     program, and the first decode step would compile one of its own.
     """
+    if hasattr(cache, "write_prompt"):          # stacked: the layer axis unsplit
+        backend.mark_sharding(cache.keys, mesh, (None, *kv.spec))
+        backend.mark_sharding(cache.values, mesh, (None, *kv.spec))
+        backend.mark_sharding(cache.cumulative_length, mesh, ())
+        return
     for layer in cache.layers:
         backend.mark_sharding(layer.keys, mesh, kv.spec)
         backend.mark_sharding(layer.values, mesh, kv.spec)
+
+
+def write_prompt(cache, prompt_cache, length: int, device) -> None:
+    """The prompt's keys and values (a DynamicCache the prefill filled) into the first slots."""
+    if hasattr(cache, "write_prompt"):
+        cache.write_prompt(prompt_cache, length)
+        return
+    slots = torch.arange(length, device=device)
+    for static, filled in zip(cache.layers, prompt_cache.layers):
+        static.keys.index_copy_(2, slots, filled.keys)
+        static.values.index_copy_(2, slots, filled.values)
+        static.cumulative_length.add_(length)

@@ -20,7 +20,7 @@ import torch
 
 from .. import backend
 from .buckets import GenerationOptions
-from .cache import allocate, pin
+from .cache import allocate, pin, write_prompt
 from .request import build_request
 from .sampling import Sampler, next_tokens
 
@@ -130,7 +130,7 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
          batch: int, steps: int) -> torch.Tensor:
     dev = backend.device()
     mesh = model.autoxla_mesh
-    cache = allocate(kv, mesh, dev)
+    cache = allocate(kv, mesh, dev, stacked=_scanned(model))
     sampler = Sampler(request, dev)
     eos = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.int64, device=dev)
     pad = request.pad_token_id
@@ -229,12 +229,13 @@ def _prefill(model, prompt: Prompt, cache, dev, keep: dict) -> torch.Tensor:
     prompt_cache = DynamicCache()     # no config: full layers, the sliding ones too
     logits = _forward(model, prompt.ids.to(dev), prompt.mask[:, :length].to(dev),
                       prompt.positions.to(dev), prompt_cache, keep)
-    slots = torch.arange(length, device=dev)
-    for static, filled in zip(cache.layers, prompt_cache.layers):
-        static.keys.index_copy_(2, slots, filled.keys)
-        static.values.index_copy_(2, slots, filled.values)
-        static.cumulative_length.add_(length)
+    write_prompt(cache, prompt_cache, length, dev)
     return logits
+
+
+def _scanned(model) -> bool:
+    stack = model.autoxla_plan.stack
+    return stack is not None and stack.scanned
 
 
 def _forward(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:

@@ -32,6 +32,7 @@ class LoadOptions:
     quantization_config: Any = None     # QuantizationConfig (or its dict) once validated
     generation_options: Any = None      # GenerationOptions (or its dict) once validated
     compile_cache: Any = None           # directory of torch_xla's persistent compilation cache
+    scan_layers: bool = True            # run the decoder stack as one loop where it repeats
     hub_kwargs: dict = field(default_factory=dict)      # revision, cache_dir, token, ...
     config_kwargs: dict = field(default_factory=dict)   # anything else: config overrides
 
@@ -72,6 +73,8 @@ class LoadOptions:
         if self.compile_cache is not None and not isinstance(self.compile_cache, (str, os.PathLike)):
             raise TypeError(f"compile_cache must be a directory path, got "
                             f"{type(self.compile_cache).__name__}")
+        if not isinstance(self.scan_layers, bool):
+            raise TypeError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         if not isinstance(self.xla_patch_linear, bool):
             raise TypeError(f"xla_patch_linear must be True or False, got {self.xla_patch_linear!r}")
         for name in ("auto_wrap_policy", "shard_output_callable"):

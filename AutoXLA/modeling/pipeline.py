@@ -50,7 +50,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
             "attn_implementation, attention_config, do_quant, quantization_config, "
-            "xla_patch_linear, generation_options, compile_cache) nor fields of the model's "
+            "xla_patch_linear, generation_options, compile_cache, scan_layers) nor fields of the model's "
             "config; check the spelling")
     config._attn_implementation = opts.attn_implementation
     if opts.attn_implementation != "eager":
@@ -137,7 +137,8 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
     else:
         shape = mesh_shape_for(opts.sharding_strategy, backend.device_count())
         mesh, strategy = backend.make_mesh(shape), opts.sharding_strategy
-    plan = build_plan(resolved.model, resolved.config, shape, strategy, resolved.dtype, resolved.tied)
+    plan = build_plan(resolved.model, resolved.config, shape, strategy, resolved.dtype, resolved.tied,
+                      scan_layers=opts.scan_layers)
     return plan, mesh
 
 
@@ -271,6 +272,22 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     return sent
 
 
+def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
+    """Step 4b: a decoder stack the plan scans gets its layers' tensors stacked (modeling/scan.py).
+    The plan decided from the empty model; the attention patch may since have made some layers
+    differ (attention_config's layers), which the plan then records as the reason."""
+    if plan.stack is None or not plan.stack.scanned:
+        return
+    from ..sharding.decoder_stack import find_stack, repeating_group
+    from .scan import stack_decoder
+
+    group, reason = repeating_group(list(find_stack(model)[1]))
+    if reason or group != plan.stack.group:
+        plan.stack = plan.stack.unrolled(reason or f"the layers now repeat every {group}")
+        return
+    stack_decoder(model, plan.stack, plan, mesh)
+
+
 def plan_ties(plan: Plan) -> dict[str, str]:
     return {t.name: t.tied_to for t in plan if t.tied_to}
 
@@ -379,6 +396,7 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
 def _finish(model: nn.Module, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
     if opts.attn_implementation != "eager":                                         # 4. patch
         patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
+    stack_layers(model, plan, mesh)                                           # 4b. scan
     model = wrapping.wrap(model, plan, mesh, opts)                                   # 5. wrap
     if plan.attention is not None:                              # 6. fixed-shape generation
         generation.attach(model, opts.generation_options)

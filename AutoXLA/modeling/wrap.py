@@ -58,7 +58,15 @@ def _no_cache_in_training(module, args, kwargs):
 
 
 def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
+    from .scan import StackedDecoderLayers, stack_of
+
+    stack = stack_of(model)
     layer_classes = decoder_layer_classes(model)
+    if stack is not None:
+        # The scanned loop recomputes each layer in its backward (checkpointing is built in) and
+        # shards each layer's output itself; FSDPv2 wraps the stack, whose shells hold no tensors.
+        stack.output_hook = functools.partial(shard_output, mesh=mesh)
+        layer_classes = {StackedDecoderLayers}
     checkpoint_module = backend.fsdpv2()[2] if opts.gradient_checkpointing else None
     if opts.gradient_checkpointing:
         if not layer_classes:
@@ -69,6 +77,9 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
     model.autoxla_mesh = mesh
     saving.attach(model)
     if not opts.use_fsdp_wrap:
+        if stack is not None:
+            model.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
+            return model
         if opts.gradient_checkpointing:
             for m in model.modules():
                 if type(m) in layer_classes:
@@ -86,7 +97,7 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
                              "declares no decoder layer classes (_no_split_modules)")
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_classes)
     wrapper_cls = None
-    if opts.gradient_checkpointing:
+    if opts.gradient_checkpointing and stack is None:
         def wrapper_cls(m, *args, **kwargs):  # checkpoint first, then shard: the order torch_xla needs
             return FSDPv2(checkpoint_module(m), *args, **kwargs)
     wrapped = FSDPv2(model, mesh=mesh, shard_output=opts.shard_output_callable or shard_output,

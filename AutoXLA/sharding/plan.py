@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import rules
+from .decoder_stack import StackPlan, plan_stack
 from .kv_cache import KVCachePlan, attention_shape, kv_cache_for
 from .mesh import AXES, MeshShape, format_spec
 
@@ -59,6 +60,8 @@ class Plan:
     quantization: dict | None = None   # QuantizationConfig.to_dict() when quantized
     # (decoder layers, kv heads, head dim) of a model that generates: what its KV cache holds.
     attention: tuple[int, int, int] | None = None
+    # The decoder stack of a model that generates: scanned as one loop, or why not.
+    stack: StackPlan | None = None
 
     def __getitem__(self, name: str) -> TensorPlan:
         # The loader looks up every quantized tensor: index once (plans are built, then only read;
@@ -147,6 +150,8 @@ class Plan:
             batch = self.mesh.size(("data", "fsdp"))    # the smallest batch that splits
             lines.append(f"generation: {self.kv_cache(batch, 2048).describe(self.mesh)} "
                          "(plan.kv_cache(batch, length) for others)")
+        if self.stack is not None:
+            lines.append(self.stack.describe())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -164,7 +169,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
-               dtype: torch.dtype | None = None, tied: dict[str, str] | None = None) -> Plan:
+               dtype: torch.dtype | None = None, tied: dict[str, str] | None = None,
+               scan_layers: bool = True) -> Plan:
     """The plan for ``model`` (usually on the meta device) on a mesh of shape ``mesh``.
 
     ``tied`` maps a tensor name to the name whose storage it shares (transformers' tied weights);
@@ -196,12 +202,14 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
             entries[target] = _entry(target, t.role, t.shape, src.dtype, src.spec, mesh, src.reason,
                                      t.is_buffer, tied_to=source)
     report = getattr(model, "autoxla_quantization", None)   # set by ModelQuantizer
+    attention = _attention(model, config)
     return Plan(model_class=type(model).__name__, strategy=strategy, mesh=mesh,
                 dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
                 tensors=list(entries.values()),
                 notes=list(report.warnings) if report is not None else [],
                 quantization=report.config.to_dict() if report is not None else None,
-                attention=_attention(model, config))
+                attention=attention,
+                stack=plan_stack(model, scan_layers) if attention is not None else None)
 
 
 def _attention(model: nn.Module, config):

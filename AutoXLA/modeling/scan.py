@@ -1,0 +1,587 @@
+"""The decoder stack as one loop: its layers' tensors stacked, run by torch_xla's scan.
+
+After loading, ``stack_decoder`` replaces the decoder ``ModuleList`` with a
+``StackedDecoderLayers``: every layer tensor becomes one ``[layers, ...]`` tensor (sharded as the
+layer's plan says, with the layer axis unsplit), and the layer modules stay as weightless shells
+that keep their attributes and hooks. A program then holds one layer (or one group of layers, for
+stacks such as Gemma 2's sliding/global pairs) inside an XLA While loop: compile time and the
+temporaries alive at once (converted or dequantized weights, activations) stop growing with depth.
+
+transformers' model code is unchanged: it still loops ``for layer in self.layers[:n]``. The slice
+returns one recorder per layer; each records its call and hands the hidden states through, and
+the last one runs the whole loop with what was recorded (each layer's mask, rotary embeddings,
+cache). Calls the loop cannot express run the same layers one by one from the stacked tensors
+(``unrolled``): hooks on a layer (transformers' output_hidden_states), a cache other than
+generation's static one or an empty dynamic one, a slice the groups do not tile.
+
+Backward (training): the loop saves only each step's input hidden states and recomputes the
+step's forward inside a reverse loop (layer-wise rematerialisation, as gradient checkpointing),
+so activation memory is one layer's plus ``layers x hidden`` inputs, whatever the depth.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from .. import backend
+from ..attention.hf import KernelMask
+from ..sharding.decoder_stack import StackPlan, find_stack
+
+logger = logging.getLogger("AutoXLA")
+
+
+class StackedTensors(nn.Module):
+    """Holds the stacked ``[layers, ...]`` tensors under the layer's own module paths
+    (``stacked.self_attn.q_proj.weight``); plain modules, never called."""
+
+
+class StackedDecoderLayers(nn.Module):
+    """Stands in for the decoder ModuleList: ``len``, indexing and slicing as a list of layers."""
+
+    def __init__(self, shells: list[nn.Module], stacked: StackedTensors, plan: StackPlan):
+        super().__init__()
+        for i, shell in enumerate(shells):
+            self.add_module(str(i), shell)
+        self.stacked = stacked
+        self.stack_plan = plan
+        self.output_hook = None      # set by wrap: activation sharding of each layer's output
+        self.last_mode = ""          # "scanned" or "unrolled: <why>", for tests and the CLI
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Every layer on ``hidden_states`` with the same keyword arguments (transformers' model
+        code calls the layers one by one instead: see ``__getitem__``)."""
+        for layer in self:
+            hidden_states = layer(hidden_states, **kwargs)
+        return hidden_states
+
+    # -- the list interface transformers' model code uses ----------------------------------
+    def __len__(self) -> int:
+        return self.stack_plan.layers
+
+    def __iter__(self):
+        return iter(self[:])
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return _Recorders(self, range(len(self))[index])
+        return self._modules[str(range(len(self))[index])]
+
+    @property
+    def shells(self) -> list[nn.Module]:
+        return [self._modules[str(i)] for i in range(len(self))]
+
+    def stacked_tensors(self) -> dict[str, torch.Tensor]:
+        """Per-layer name (``self_attn.q_proj.weight``) -> its ``[layers, ...]`` tensor."""
+        named = dict(self.stacked.named_parameters())
+        named.update(self.stacked.named_buffers())
+        return named
+
+    def per_layer_items(self, prefix: str):
+        """(``{prefix}{i}.{name}``, layer i's slice) for every stacked tensor: the names and
+        tensors of the unstacked model, for saving and for checks against the plan."""
+        for name, t in self.stacked_tensors().items():
+            for i in range(len(self)):
+                yield f"{prefix}{i}.{name}", t[i]
+
+    # -- running ---------------------------------------------------------------------------
+    def run(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
+        why = self._why_unrolled(indices, calls)
+        self.last_mode = "unrolled: " + why if why else "scanned"
+        if why:
+            logger.debug("decoder stack runs unrolled: %s", why)
+            return self._unrolled(indices, calls)
+        return self._scanned(indices, calls)
+
+    def _why_unrolled(self, indices: range, calls: list["_Call"]) -> str:
+        plan, group = self.stack_plan, self.stack_plan.group
+        if not plan.scanned:
+            return plan.reason
+        if indices.step != 1 or indices.start % group or len(indices) % group:
+            return f"layers {indices.start}..{indices.stop - 1} are not whole groups of {group}"
+        if any(s._forward_hooks or s._forward_pre_hooks for s in self.shells):
+            return "hooks on the decoder layers (e.g. output_hidden_states)"
+        for k in range(group, len(calls)):
+            if not _same_call(calls[k], calls[k % group]):
+                return f"layer {indices[k]} is called with arguments unlike layer {indices[k % group]}'s"
+        cache = calls[0].cache
+        if cache is not None and not (isinstance(cache, StackedStaticCache) or _empty_dynamic(cache)):
+            return f"a {type(cache).__name__} that is not empty"
+        if torch.is_grad_enabled():
+            if isinstance(cache, StackedStaticCache):
+                return "a static cache while computing gradients"
+            if self.training and _has_dropout(self.shells[0]):
+                return "dropout in training (its recomputation in the backward would differ)"
+            if any(t.requires_grad for c in calls[:group] for t in _tensors_in(c.kwargs)):
+                return "an argument of the layers requires gradients"
+        return ""
+
+    def _unrolled(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
+        stacked = self.stacked_tensors()
+        hidden = calls[0].hidden
+        cache = calls[0].cache
+        for i, call in zip(indices, calls):
+            weights = {n: t[i] for n, t in stacked.items()}
+            hidden = _call_layer(self.shells[i], weights, hidden, call.args, call.kwargs)
+            if self.output_hook is not None:
+                self.output_hook(hidden)
+        if isinstance(cache, StackedStaticCache):
+            cache.advance(calls[0].new_tokens())
+        return hidden
+
+    def _scanned(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
+        group = self.stack_plan.group
+        steps = len(indices) // group
+        stacked = {n: _steps(t, indices, group) for n, t in self.stacked_tensors().items()}
+        consts, rebuild = _freeze([c.kwargs for c in calls[:group]])
+        step = _Step(self.shells[:group], calls[0].args, rebuild, self.output_hook)
+        hidden, cache = calls[0].hidden, calls[0].cache
+        if torch.is_grad_enabled():      # only an empty dynamic cache gets here (_why_unrolled)
+            step = replace(step, collect=cache is not None)
+            hidden, keys, values = _RematScan.apply(step, hidden, consts, tuple(stacked),
+                                                    *stacked.values())
+            if cache is not None:
+                _fill_dynamic(cache, indices, keys, values)
+            return hidden
+        if isinstance(cache, StackedStaticCache):
+            kv = (_steps(cache.keys, indices, group), _steps(cache.values, indices, group))
+            # The fill level enters as a loop input, like everything the body reads: a tensor
+            # the body only captured would be lowered from its device buffer, which may still be
+            # pending while the previous step runs (a crash in torch_xla's lowering).
+            (hidden, _, _), (keys, values) = backend.scan_loop(
+                step.infer, (hidden, consts, cache.cumulative_length), (stacked, kv))
+            cache.replace_layers(indices, keys.flatten(0, 1), values.flatten(0, 1))
+            cache.advance(calls[0].new_tokens())
+            return hidden
+        collect = cache is not None
+        step = replace(step, collect=collect)
+        (hidden, _, _), out = backend.scan_loop(step.infer, (hidden, consts, None), (stacked, ()))
+        if collect:
+            _fill_dynamic(cache, indices, *out)
+        return hidden
+
+
+def _fill_dynamic(cache, indices: range, keys, values) -> None:
+    """An empty dynamic cache: each layer takes its keys and values ([steps, group, ...]) by its
+    own update, as if the layers had run one by one."""
+    keys, values = keys.flatten(0, 1), values.flatten(0, 1)
+    for k, i in enumerate(indices):
+        cache.layers[i].update(keys[k], values[k])
+
+
+@dataclass
+class _Call:
+    hidden: torch.Tensor
+    args: tuple
+    kwargs: dict
+
+    @property
+    def cache(self):
+        return self.kwargs.get("cache", self.kwargs.get("past_key_values"))
+
+    def new_tokens(self) -> int:
+        return self.hidden.shape[1]
+
+
+class _Recorders(list):
+    """One callable per layer of a slice; the last call runs them all (see the module doc)."""
+
+    def __init__(self, stack: StackedDecoderLayers, indices: range):
+        super().__init__(_Recorder(self, k) for k in range(len(indices)))
+        self.stack, self.indices, self.calls = stack, indices, []
+
+    def record(self, k: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        if "hidden_states" in kwargs:
+            hidden = kwargs.pop("hidden_states")
+        elif args:
+            hidden, args = args[0], args[1:]
+        else:
+            raise TypeError("a decoder layer was called without hidden states")
+        if k != len(self.calls):
+            raise RuntimeError("decoder layers were called out of order; load with scan_layers=False")
+        if self.calls and hidden is not self.calls[0].hidden:
+            raise RuntimeError(
+                "the model changes the hidden states between decoder layers, which a scanned "
+                f"stack cannot express ({type(self.stack).__name__}); load it with "
+                "scan_layers=False")
+        self.calls.append(_Call(hidden, args, kwargs))
+        if k < len(self) - 1:
+            return hidden
+        calls, self.calls = self.calls, []
+        return self.stack.run(self.indices, calls)
+
+
+class _Recorder:
+    def __init__(self, owner: _Recorders, k: int):
+        self.owner, self.k = owner, k
+
+    def __call__(self, *args, **kwargs):
+        return self.owner.record(self.k, args, kwargs)
+
+
+@dataclass
+class _Step:
+    """One loop step: ``group`` layers, each with its own weights slice and recorded arguments."""
+
+    shells: list
+    args: tuple
+    rebuild: object               # consts -> per-layer kwargs
+    output_hook: object = None
+    collect: bool = False                     # return each layer's new keys and values
+
+    def layers(self, hidden, consts, weights, kv=None, fill=None):
+        kwargs = self.rebuild(consts)
+        new_keys, new_values = [], []
+        for j, shell in enumerate(self.shells):
+            cache = None
+            if kv is not None:
+                cache = _StepCache(kv[0][j], kv[1][j], fill)
+            elif self.collect:
+                cache = _StepCache(None, None, None)
+            kw = dict(kwargs[j])
+            if "cache" in kw or cache is not None:
+                kw["cache"] = cache
+            kw.pop("past_key_values", None)
+            hidden = _call_layer(shell, {n: w[j] for n, w in weights.items()}, hidden,
+                                 self.args, kw)
+            if self.output_hook is not None:
+                self.output_hook(hidden)
+            if cache is not None:
+                new_keys.append(cache.keys)
+                new_values.append(cache.values)
+        ys = (torch.stack(new_keys), torch.stack(new_values)) if new_keys else ()
+        return hidden, ys
+
+    def infer(self, carry, x):
+        hidden, consts, fill = carry
+        weights, kv = x
+        hidden, ys = self.layers(hidden, consts, weights, kv if kv else None, fill)
+        return (hidden, consts, fill), ys
+
+
+class _RematScan(torch.autograd.Function):
+    """Forward: the loop, keeping each step's input. Backward: a reverse loop that recomputes
+    each step with autograd on and returns the gradients of its input and its weights."""
+
+    @staticmethod
+    def forward(ctx, step: _Step, hidden, consts, names, *weights):
+        weights = dict(zip(names, weights))
+
+        def fwd(carry, w):
+            h, c = carry
+            out, kv = step.layers(h, c, w)
+            return (out, c), (h, kv)
+
+        with torch.no_grad():
+            (out, _), (inputs, kv) = backend.scan_loop(fwd, (hidden, consts), weights)
+        ctx.step, ctx.consts, ctx.names = replace(step, collect=False), consts, names
+        ctx.save_for_backward(inputs, *weights.values())
+        keys, values = kv if kv else (out.new_empty(0), out.new_empty(0))
+        ctx.mark_non_differentiable(keys, values)   # a training forward's cache is detached
+        return out, keys, values
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_keys, _grad_values):
+        inputs, *weights = ctx.saved_tensors
+        step, names = ctx.step, ctx.names
+
+        def bwd(carry, x):
+            grad, consts = carry
+            w, h = x
+            with torch.enable_grad():
+                h = h.detach().requires_grad_(True)
+                w = {n: t.detach().requires_grad_(True) for n, t in w.items()}
+                out, _ = step.layers(h, consts, w)
+                grads = torch.autograd.grad(out, [h, *w.values()], grad, allow_unused=True)
+            grads = [torch.zeros_like(t) if g is None else g
+                     for g, t in zip(grads, [h, *w.values()])]
+            return (grads[0], consts), tuple(grads[1:])
+
+        with torch.no_grad():
+            (grad_hidden, _), grad_weights = backend.scan_loop(
+                bwd, (grad_out, ctx.consts), (dict(zip(names, weights)), inputs), reverse=True)
+        return (None, grad_hidden, None, None, *grad_weights)
+
+
+class _StepCache:
+    """The cache one layer sees inside the loop: its own slot of the static cache (keys and
+    values written at the fill level, as transformers' StaticLayer does), or, for an empty
+    dynamic cache, nothing but this call's keys and values."""
+
+    def __init__(self, keys, values, fill):
+        self.keys, self.values, self.fill = keys, values, fill
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.keys is None:
+            self.keys, self.values = key_states, value_states
+        else:
+            pos = torch.arange(key_states.shape[-2], device=key_states.device) + self.fill
+            self.keys = self.keys.index_copy(2, pos, key_states)
+            self.values = self.values.index_copy(2, pos, value_states)
+        return self.keys, self.values
+
+
+class StackedStaticCache:
+    """Generation's static KV cache for a scanned stack: keys and values ``[layers, batch,
+    kv_heads, length, head_dim]``, so each loop step reads and writes its layer's slot.
+
+    It is a transformers ``Cache`` (built by ``make``) whose layers are views that answer what
+    transformers' mask code asks (length, fill level); only the stack writes it.
+    """
+
+    @staticmethod
+    def make(layers: int, length: int, keys: torch.Tensor, values: torch.Tensor):
+        from transformers.cache_utils import Cache
+
+        cls = type("StackedStaticCache", (StackedStaticCache, Cache), {})
+        cache = cls.__new__(cls)
+        fill = torch.zeros((), dtype=torch.int64, device=keys.device)
+        Cache.__init__(cache, layers=[_LayerView(cache, i, length, fill) for i in range(layers)])
+        cache.keys, cache.values, cache.cumulative_length = keys, values, fill
+        return cache
+
+    def replace_layers(self, indices: range, keys, values) -> None:
+        if len(indices) == self.keys.shape[0]:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys[:indices.start], keys, self.keys[indices.stop:]])
+            self.values = torch.cat([self.values[:indices.start], values, self.values[indices.stop:]])
+
+    def advance(self, tokens: int) -> None:
+        self.cumulative_length.add_(tokens)
+
+    def write_prompt(self, prompt_cache, length: int) -> None:
+        """The prompt's keys and values (a filled DynamicCache) into the first ``length`` slots."""
+        slots = torch.arange(length, device=self.keys.device)
+        keys = torch.stack([layer.keys for layer in prompt_cache.layers])
+        values = torch.stack([layer.values for layer in prompt_cache.layers])
+        self.keys = self.keys.index_copy(3, slots, keys)
+        self.values = self.values.index_copy(3, slots, values)
+        self.advance(length)
+
+
+def _layer_view_class():
+    from transformers.cache_utils import StaticLayer
+
+    class LayerView(StaticLayer):
+        """Layer ``i`` of a StackedStaticCache; its update (the unrolled path) writes the stack."""
+
+        def __init__(self, parent, i, length, fill):
+            super().__init__(max_cache_len=length)
+            self.parent, self.index, self.cumulative_length = parent, i, fill
+            self.is_initialized = True
+
+        keys = property(lambda self: self.parent.keys[self.index], lambda self, v: None)
+        values = property(lambda self: self.parent.values[self.index], lambda self, v: None)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            step = _StepCache(self.keys, self.values, self.cumulative_length)
+            k, v = step.update(key_states, value_states)
+            p = self.parent
+            at = torch.tensor([self.index], device=k.device)
+            p.keys = p.keys.index_copy(0, at, k.unsqueeze(0))
+            p.values = p.values.index_copy(0, at, v.unsqueeze(0))
+            return k, v
+
+    return LayerView
+
+
+def _LayerView(parent, i, length, fill):
+    global _LAYER_VIEW
+    if _LAYER_VIEW is None:
+        _LAYER_VIEW = _layer_view_class()
+    return _LAYER_VIEW(parent, i, length, fill)
+
+
+_LAYER_VIEW = None
+
+
+# -- building the stack -------------------------------------------------------------------------
+
+def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> StackedDecoderLayers:
+    """Replace the loaded decoder ModuleList with its stacked form (one tensor name at a time, so
+    host and device memory hold at most one extra stacked tensor)."""
+    path, layers = find_stack(model)
+    shells = list(layers)
+    stacked = StackedTensors()
+    first = shells[0]
+    names = [(n, True) for n, _ in first.named_parameters()]
+    names += [(n, False) for n, b in first.named_buffers() if b is not None]
+    for name, is_param in names:
+        owner_path, _, leaf = name.rpartition(".")
+        owners = [s.get_submodule(owner_path) if owner_path else s for s in shells]
+        tensors = [(o._parameters if is_param else o._buffers)[leaf] for o in owners]
+        requires_grad = tensors[0].requires_grad
+        value = torch.stack([t.detach() for t in tensors])
+        entry = plan[f"{path}.0.{name}"] if f"{path}.0.{name}" in _names(plan) else None
+        if entry is not None and value.device.type == "xla":
+            backend.mark_sharding(value, mesh, (None, *entry.spec))
+        persistent = leaf not in owners[0]._non_persistent_buffers_set
+        for o in owners:
+            del (o._parameters if is_param else o._buffers)[leaf]
+        del tensors
+        container = _container(stacked, owner_path)
+        if is_param:
+            container.register_parameter(leaf, nn.Parameter(value, requires_grad=requires_grad))
+        else:
+            container.register_buffer(leaf, value, persistent=persistent)
+        if value.device.type == "xla":
+            backend.sync()      # run the stack now: the per-layer tensors are freed as it ends
+    stack = StackedDecoderLayers(shells, stacked, stack_plan)
+    parent_path, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, attr, stack)
+    return stack
+
+
+def _names(plan) -> set:
+    cached = plan.__dict__.get("_stack_names")
+    if cached is None:
+        cached = plan.__dict__["_stack_names"] = {t.name for t in plan}
+    return cached
+
+
+def _container(root: nn.Module, path: str) -> nn.Module:
+    m = root
+    for part in path.split(".") if path else ():
+        if part not in m._modules:
+            m.add_module(part, StackedTensors())
+        m = m._modules[part]
+    return m
+
+
+def stack_of(model: nn.Module) -> StackedDecoderLayers | None:
+    """The model's stacked decoder, if it has one."""
+    for m in model.modules():
+        if isinstance(m, StackedDecoderLayers):
+            return m
+    return None
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _call_layer(shell, weights, hidden, args, kwargs):
+    out = torch.func.functional_call(shell, weights, (hidden, *args), kwargs, strict=False)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{type(shell).__name__} returns {type(out).__name__}, not the hidden "
+                        "states tensor a scanned stack carries; load with scan_layers=False")
+    return out
+
+
+def _steps(t: torch.Tensor, indices: range, group: int) -> torch.Tensor:
+    """``[layers, ...]`` -> ``[steps, group, ...]`` over ``indices``."""
+    if len(indices) != t.shape[0]:
+        t = t[indices.start:indices.stop]
+    return t.reshape(len(indices) // group, group, *t.shape[1:])
+
+
+def _same_call(a: _Call, b: _Call) -> bool:
+    if a.args != b.args or a.kwargs.keys() != b.kwargs.keys():
+        return False
+    return all(_same(a.kwargs[k], b.kwargs[k]) for k in a.kwargs)
+
+
+def _same(x, y) -> bool:
+    if x is y:
+        return True
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return False
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
+
+
+def _empty_dynamic(cache) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(isinstance(layer, DynamicLayer) and not layer.is_initialized
+                                for layer in layers)
+
+
+def _has_dropout(layer: nn.Module) -> bool:
+    for m in layer.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            return True
+        p = getattr(m, "attention_dropout", 0.0)
+        if isinstance(p, float) and p > 0:
+            return True
+    return False
+
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors_in(v)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors_in(v)
+    elif isinstance(value, KernelMask) and value.segment_ids is not None:
+        yield value.segment_ids
+
+
+def _freeze(kwargs_list: list[dict]):
+    """The tensors in the layers' arguments (each once), and a function rebuilding the arguments
+    from a same-ordered list of tensors. They enter the loop as inputs; a tensor the loop body
+    only captured would be recomputed from its graph at every step. A KernelMask that needs its
+    dense mask is built once here."""
+    leaves: list[torch.Tensor] = []
+    seen: dict[int, int] = {}
+
+    def leaf(t):
+        if id(t) not in seen:
+            seen[id(t)] = len(leaves)
+            # torch_xla's loop multiplies each input by 1 before tracing the body, which turns a
+            # bool into an int64 and changes the loop's carried type: carry masks as uint8.
+            leaves.append(t.to(torch.uint8) if t.dtype == torch.bool else t)
+        i = seen[id(t)]
+        if t.dtype == torch.bool:
+            return lambda ts: ts[i].to(torch.bool)
+        return lambda ts: ts[i]
+
+    def plan(v):
+        if isinstance(v, torch.Tensor):
+            return leaf(v)
+        if isinstance(v, KernelMask):
+            window = v.window
+            if v.structured:
+                seg = plan(v.segment_ids)
+                return lambda ts: KernelMask(_no_dense, True, window, seg(ts))
+            dense = leaf(v.dense())
+            return lambda ts: KernelMask(lambda: dense(ts), False, window, None)
+        if isinstance(v, (tuple, list)):
+            parts = [plan(x) for x in v]
+            return lambda ts: type(v)(p(ts) for p in parts)
+        if isinstance(v, dict):
+            parts = {k: plan(x) for k, x in v.items()}
+            return lambda ts: {k: p(ts) for k, p in parts.items()}
+        return lambda ts: v
+
+    builders = [{k: plan(v) for k, v in kw.items() if k not in ("cache", "past_key_values")}
+                for kw in kwargs_list]
+    cache_keys = [[k for k in kw if k in ("cache", "past_key_values")] for kw in kwargs_list]
+    # ``plan`` refers to itself through its cell: a reference cycle that would keep ``leaves``
+    # (this call's masks and rotary tensors) alive until the garbage collector runs, and a live
+    # tensor is an output of the next program, which then differs from step to step.
+    plan = leaf = None
+
+    def rebuild(ts):
+        out = []
+        for b, keys in zip(builders, cache_keys):
+            kw = {k: p(ts) for k, p in b.items()}
+            kw.update({k: None for k in keys})
+            out.append(kw)
+        return out
+
+    return tuple(leaves), rebuild
+
+
+def _no_dense():
+    raise RuntimeError("internal error: a structured KernelMask's dense mask was asked for "
+                       "inside the scanned stack; please report")

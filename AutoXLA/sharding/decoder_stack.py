@@ -1,0 +1,129 @@
+"""Can the decoder stack run as one loop (torch_xla's scan)? The plan's answer, from structure alone.
+
+A stack scans when its layers repeat: the same class, the same tensors (names, shapes, dtypes,
+quantized formats) and the same non-tensor attributes (sliding window, layer type, attention
+kernel, ...) with some period ``group`` that divides the depth. Gemma 2's alternating sliding and
+global layers repeat with period 2: the loop then runs pairs. Only ``layer_idx`` may differ (the
+loop hands each layer its own cache slot, so nothing reads it). Everything here is plain data:
+``autoxla plan`` shows it without torch_xla.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from dataclasses import dataclass
+
+from torch import nn
+
+# Attributes that legitimately differ per layer: the index (used only to pick a cache layer, which
+# the scanned loop supplies) and nn.Module's own state.
+_PER_LAYER = {"layer_idx", "training"}
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    path: str            # the ModuleList, e.g. "model.layers"
+    layers: int
+    group: int = 1       # layers per loop step (the period of their pattern)
+    scanned: bool = False
+    reason: str = ""     # why not, when not scanned
+
+    @property
+    def steps(self) -> int:
+        return self.layers // self.group if self.scanned else 0
+
+    def describe(self) -> str:
+        if self.scanned:
+            per = "1 layer" if self.group == 1 else f"{self.group} layers"
+            return (f"decoder stack {self.path}: {self.layers} layers scanned as one loop of "
+                    f"{self.steps} steps ({per} per step; one step compiled)")
+        return f"decoder stack {self.path}: {self.layers} layers unrolled ({self.reason})"
+
+    def unrolled(self, reason: str) -> "StackPlan":
+        return dataclasses.replace(self, scanned=False, reason=reason)
+
+
+def find_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The ModuleList of decoder layers (transformers' ``_no_split_modules`` classes), or None."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ in names for c in m):
+            found.append((path, m))
+    return found[0] if len(found) == 1 else None
+
+
+def plan_stack(model: nn.Module, enabled: bool = True) -> StackPlan | None:
+    """The StackPlan of ``model``'s decoder stack (None when it has no single one)."""
+    found = find_stack(model)
+    if found is None:
+        return None
+    path, layers = found
+    plan = StackPlan(path, len(layers))
+    if not enabled:
+        return plan.unrolled("scan_layers=False")
+    group, reason = repeating_group(list(layers))
+    if reason:
+        return plan.unrolled(reason)
+    return dataclasses.replace(plan, group=group, scanned=True)
+
+
+def repeating_group(layers: list[nn.Module]) -> tuple[int, str]:
+    """(the period of the layers' pattern, "") or (0, why they cannot be scanned)."""
+    n = len(layers)
+    if n < 2:
+        return 0, "a single layer: nothing to loop over"
+    signatures = [signature(m) for m in layers]
+    for period in range(1, n // 2 + 1):
+        if n % period == 0 and all(signatures[i] == signatures[i % period] for i in range(n)):
+            return period, ""
+    other = next(i for i in range(1, n) if signatures[i] != signatures[0])
+    return 0, (f"the layers do not repeat: layer {other} differs from layer 0 in "
+               f"{first_difference(signatures[0], signatures[other])}")
+
+
+def signature(layer: nn.Module) -> list:
+    """What must be equal for two layers to run as the same compiled step."""
+    out = []
+    for name, m in layer.named_modules():
+        attrs = {k: _key(v) for k, v in vars(m).items()
+                 if not k.startswith("_") and k not in _PER_LAYER}
+        tensors = [(k, tuple(t.shape), str(t.dtype)) for k, t in
+                   list(m._parameters.items()) + list(m._buffers.items()) if t is not None]
+        out.append((name or "<layer>", type(m).__name__, sorted(attrs.items()), tensors))
+    return out
+
+
+def first_difference(a: list, b: list) -> str:
+    for (name, cls, attrs, tensors), (_, cls2, attrs2, tensors2) in zip(a, b):
+        if cls != cls2:
+            return f"{name}: class {cls} vs {cls2}"
+        for (k, v), (_, v2) in zip(attrs, attrs2):
+            if v != v2:
+                return f"{name}.{k}: {v!r} vs {v2!r}"
+        if attrs != attrs2:
+            return f"{name}: attributes {[k for k, _ in attrs]} vs {[k for k, _ in attrs2]}"
+        if tensors != tensors2:
+            return f"{name}: tensors {tensors} vs {tensors2}"
+    return "structure (number of submodules)"
+
+
+def _key(value):
+    """Primitives, dataclasses, partials and functions compare by value; any other object by
+    identity (a shared config object is the same object in every layer)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_key(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return value
+    if isinstance(value, functools.partial):
+        return ("partial", _key(value.func), _key(value.args), sorted(
+            (k, _key(v)) for k, v in value.keywords.items()))
+    if isinstance(value, types.FunctionType):   # same code, same captured values
+        cells = tuple(_key(c.cell_contents) for c in value.__closure__ or ())
+        return ("function", id(value.__code__), cells)
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", value.__module__, value.__qualname__)
+    return ("object", type(value).__name__, id(value))
