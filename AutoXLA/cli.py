@@ -32,7 +32,7 @@ _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float
 
 
 def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, dtype=None,
-                     quantization_config=None, on_tpu: bool = True):
+                     quantization_config=None, on_tpu: bool = True, scan_layers: bool = True):
     """The Plan of a causal LM or segmentation checkpoint, from its config on the meta device.
 
     The model class is the one from_pretrained would build: a causal LM if transformers has one
@@ -61,7 +61,8 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
     auto_class = pick_auto_class((AutoModelForCausalLM,) + auto_classes(), config)
     r = empty_model(config, auto_class, dtype if dtype is not None else "auto")
     quantize_on_meta(r, quantization_config, on_tpu)
-    return build_plan(r.model, config, mesh_shape_for(strategy, devices), strategy, r.dtype, r.tied)
+    return build_plan(r.model, config, mesh_shape_for(strategy, devices), strategy, r.dtype, r.tied,
+                      scan_layers=scan_layers)
 
 
 def _cmd_plan(args) -> int:
@@ -74,7 +75,7 @@ def _cmd_plan(args) -> int:
     elif args.block_size != -1 or args.asym:
         raise ValueError("--block-size and --asym describe quantization: add --bits 8 or --bits 4")
     plan = plan_from_config(args.path, args.strategy, args.devices, args.dtype, qcfg,
-                            on_tpu=not args.cpu)
+                            on_tpu=not args.cpu, scan_layers=not args.no_scan)
     kv = None
     if args.batch is not None or args.max_len is not None:
         if args.batch is None or args.max_len is None:
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="choose matmul backends as off a TPU")
     p.add_argument("--batch", type=int, default=None, help="with --max-len: plan the KV cache")
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (slots)")
+    p.add_argument("--no-scan", action="store_true", help="plan the decoder stack unrolled "
+                   "(as from_pretrained(scan_layers=False))")
     p.set_defaults(func=_cmd_plan)
     g = sub.add_parser("generate", help="load a checkpoint sharded and stream generated text")
     generate_cli.add_arguments(g)

@@ -61,7 +61,8 @@ def _unstacked(model: nn.Module, named: list) -> list:
     for prefix, m in model.named_modules():
         if not hasattr(m, "per_layer_items"):
             continue
-        prefix = prefix.replace(_FSDP_WRAPPED, "")
+        # FSDPv2 keeps the wrapped module as `_orig_module`: save the model's own names.
+        prefix = ".".join(part for part in prefix.split(".") if part + "." != _FSDP_WRAPPED)
         stacked = f"{prefix}.stacked." if prefix else "stacked."
         head = [(n, t) for n, t in named if not n.replace(_FSDP_WRAPPED, "").startswith(stacked)]
         at = next((i for i, (n, _) in enumerate(named)

@@ -24,9 +24,10 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from memory import PeakRSS, rss
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("AUTOXLA_BENCH_CACHE", Path.home() / ".cache" / "autoxla" / "bench"))
@@ -50,36 +51,6 @@ def checkpoint(layers: int, hidden: int) -> Path:
     model.save_pretrained(tmp, max_shard_size="200MB")
     tmp.rename(path)
     return path
-
-
-class PeakRSS:
-    """Peak resident set size while the block runs, sampled from /proc every 2 ms."""
-
-    def __enter__(self):
-        self.peak, self.base, self._stop = 0, rss(), False
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop:
-            self.peak = max(self.peak, rss())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self._stop = True
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-
-    @property
-    def above(self) -> float:
-        """GiB above the RSS at entry."""
-        return (self.peak - self.base) / 2**30
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def child(path: str, scan: bool, strategy: str, batch: int, seq: int, tokens: int) -> dict:

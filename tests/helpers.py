@@ -77,7 +77,7 @@ def _stacked_layers(model):
     out = {}
     for prefix, m in model.named_modules():
         if isinstance(m, StackedDecoderLayers):
-            prefix = prefix.replace("_orig_module.", "")
+            prefix = ".".join(part for part in prefix.split(".") if part != "_orig_module")
             for name, t in m.stacked_tensors().items():
                 for i in range(len(m)):
                     out[f"{prefix}.{i}.{name}"] = (t, i)

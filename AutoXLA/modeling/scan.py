@@ -101,7 +101,7 @@ class StackedDecoderLayers(nn.Module):
             return plan.reason
         if indices.step != 1 or indices.start % group or len(indices) % group:
             return f"layers {indices.start}..{indices.stop - 1} are not whole groups of {group}"
-        if any(s._forward_hooks or s._forward_pre_hooks for s in self.shells):
+        if _hooks_fire(self.shells):
             return "hooks on the decoder layers (e.g. output_hidden_states)"
         for k in range(group, len(calls)):
             if not _same_call(calls[k], calls[k % group]):
@@ -429,10 +429,41 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
             container.register_buffer(leaf, value, persistent=persistent)
         if value.device.type == "xla":
             backend.sync()      # run the stack now: the per-layer tensors are freed as it ends
+    for i, shell in enumerate(shells):
+        for owner_path, m in shell.named_modules():
+            source = _container(stacked, owner_path)
+            if source._parameters or source._buffers:
+                _read_through(m, source, i)
     stack = StackedDecoderLayers(shells, stacked, stack_plan)
     parent_path, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, attr, stack)
     return stack
+
+
+def _read_through(module: nn.Module, source: nn.Module, index: int) -> None:
+    """``module.weight`` (any tensor it gave to the stack) reads ``source.weight[index]``: a
+    shell still answers ``layers[3].mlp.down_proj.weight`` with that layer's current values.
+    Done by a subclass of the module's own class (isinstance and type names unchanged) whose
+    ``__getattr__``, which Python calls only when normal lookup fails, looks in the stack."""
+    cls = type(module)
+    if not getattr(cls, "_autoxla_read_through", False):
+        cls = _READ_THROUGH.get(cls)
+        if cls is None:
+            cls = _READ_THROUGH[type(module)] = type(type(module).__name__, (type(module),), {
+                "__getattr__": _stacked_getattr, "_autoxla_read_through": True,
+                "__module__": type(module).__module__})
+        module.__class__ = cls
+    module.__dict__["_autoxla_stacked"] = (source, index)
+
+
+_READ_THROUGH: dict[type, type] = {}
+
+
+def _stacked_getattr(self, name: str):
+    source, index = self.__dict__.get("_autoxla_stacked", (None, 0))
+    if source is not None and (name in source._parameters or name in source._buffers):
+        return getattr(source, name)[index]
+    return super(type(self), self).__getattr__(name)
 
 
 def _names(plan) -> set:
@@ -462,7 +493,21 @@ def stack_of(model: nn.Module) -> StackedDecoderLayers | None:
 # -- helpers ---------------------------------------------------------------------------------
 
 def _call_layer(shell, weights, hidden, args, kwargs):
-    out = torch.func.functional_call(shell, weights, (hidden, *args), kwargs, strict=False)
+    """``shell(hidden, ...)`` with ``weights`` (per-layer name -> tensor) in place for the call.
+    They go into the owning modules' ``__dict__`` (the shells hold no parameters, so plain
+    attribute lookup finds them first) and are removed after; torch.func.functional_call would
+    instead restore what the read-through attribute returned as a stale plain attribute."""
+    placed = []
+    try:
+        for name, t in weights.items():
+            owner_path, _, leaf = name.rpartition(".")
+            owner = shell.get_submodule(owner_path) if owner_path else shell
+            owner.__dict__[leaf] = t
+            placed.append((owner, leaf))
+        out = shell(hidden, *args, **kwargs)
+    finally:
+        for owner, leaf in placed:
+            owner.__dict__.pop(leaf, None)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{type(shell).__name__} returns {type(out).__name__}, not the hidden "
                         "states tensor a scanned stack carries; load with scan_layers=False")
@@ -493,6 +538,19 @@ def _same(x, y) -> bool:
         return bool(x == y)
     except Exception:
         return False
+
+
+def _hooks_fire(shells) -> bool:
+    """Would a hook on a layer run in this call? transformers installs its output-capturing hooks
+    once and leaves them in place, inert unless this forward collects outputs."""
+    hooks = [h for s in shells for h in (*s._forward_hooks.values(), *s._forward_pre_hooks.values())]
+    if not hooks:
+        return False
+    if any(getattr(h, "__name__", "") != "output_capturing_hook" for h in hooks):
+        return True
+    from transformers.utils.output_capturing import _active_collector
+
+    return bool(_active_collector.get())
 
 
 def _empty_dynamic(cache) -> bool:

@@ -180,6 +180,13 @@ class ModelQuantizer:
 
         The report is ``model.autoxla_quantization`` (and is logged).
         """
+        stacked = [n for n, m in model.named_modules() if hasattr(m, "per_layer_items")]
+        if stacked:
+            raise ValueError(
+                f"{type(model).__name__}'s decoder stack ({stacked[0]}) is scanned: its layers' "
+                "weights are stacked tensors that quantizing one layer at a time cannot replace. "
+                "Quantize while loading (from_pretrained(..., do_quant=True, quantization_config="
+                "...)), or load with scan_layers=False and quantize afterwards")
         report = self.plan(model, tied, on_tpu)
         report.bytes_before = _weight_bytes(model)
         with repointing_references(model):

@@ -146,12 +146,12 @@ class Plan:
         n_quant = sum(1 for t in self.tensors if t.backend)
         if n_quant:
             lines.append(f"{n_quant} linear(s) quantized; their scales and zero points included above")
+        if self.stack is not None:
+            lines.append(self.stack.describe())
         if self.attention is not None:
             batch = self.mesh.size(("data", "fsdp"))    # the smallest batch that splits
             lines.append(f"generation: {self.kv_cache(batch, 2048).describe(self.mesh)} "
                          "(plan.kv_cache(batch, length) for others)")
-        if self.stack is not None:
-            lines.append(self.stack.describe())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -23,10 +23,10 @@ def _reference_loss(reference_models):
         return reference_models("llama")(input_ids=ids, labels=labels).loss.item()
 
 
-def _load(checkpoints, strategy, gc):
+def _load(checkpoints, strategy, gc, **kwargs):
     model = AutoXLAModelForCausalLM.from_pretrained(
         checkpoints["llama"], sharding_strategy=strategy, use_fsdp_wrap=True,
-        gradient_checkpointing=gc)
+        gradient_checkpointing=gc, **kwargs)
     model.train()
     return model
 
@@ -67,7 +67,18 @@ def test_training_steps(strategy, checkpoints, reference_models, xla_devices):
 
 
 def test_gradient_checkpointing_wraps_decoder_layers(checkpoints, xla_devices):
-    model = _load(checkpoints, "fsdp", gc=True)
+    model = _load(checkpoints, "fsdp", gc=True, scan_layers=False)
     layers = model.module.model.layers
     assert all(type(l).__name__ == "SpmdFullyShardedDataParallel" for l in layers)
     assert all(hasattr(l.module, "_xla_checkpointed_forward_original") for l in layers)
+
+
+def test_scanned_stack_is_one_fsdp_unit(checkpoints, xla_devices):
+    # Scanned (the default), FSDPv2 wraps the stack as one unit and the loop's backward
+    # recomputes each layer: the shells get no per-layer wrapper or checkpointing.
+    model = _load(checkpoints, "fsdp", gc=True)
+    stack = model.module.model.layers
+    assert type(stack).__name__ == "SpmdFullyShardedDataParallel"
+    assert not any(hasattr(l, "_xla_checkpointed_forward_original") for l in stack.module.shells)
+    _train(model, steps=1)
+    assert stack.module.last_mode == "scanned"

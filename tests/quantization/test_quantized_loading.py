@@ -96,7 +96,9 @@ def test_sharded_quantized_llama(bits, block, sym, backend_name, checkpoints, re
 
     # Bytes on the device of the quantized linears (scales and zero points included) against
     # their bf16 weights: int4 must be packed two per byte to get under 0.32x.
-    qbytes = sum(b.numel() * b.element_size() for m in linears.values() for b in m.buffers())
+    # (Read per layer: a scanned stack keeps the tensors stacked, each layer reads its slice.)
+    qbytes = sum(t.numel() * t.element_size() for m in linears.values()
+                 for t in (m.weight, m.weight_scale, m.weight_zero_point) if t is not None)
     bf16 = sum(m.in_features * m.out_features * 2 for m in linears.values())
     # The limits: 0.52x for int8 per-channel (the seed's symmetric format; a bf16 scale
     # per row adds 2/(2*64) on this fixture's 64-wide layers: 0.516x), 0.32x for int4 block 64
@@ -219,7 +221,11 @@ def test_model_quantizer_on_a_loaded_xla_model(checkpoints, reference_models, ba
     # ModelQuantizer also takes a model whose weights are already on the XLA devices: each weight
     # comes back to the host for the C engine and its quantized tensors go back to the device.
     ids, mask = batch
-    model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], sharding_strategy="fsdp")
+    scanned = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], sharding_strategy="fsdp")
+    with pytest.raises(ValueError, match="scan_layers=False"):    # stacked weights: refused
+        ModelQuantizer(QuantizationConfig(n_bits=8)).quantize_model(scanned)
+    model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], sharding_strategy="fsdp",
+                                                    scan_layers=False)
     _quiet(ModelQuantizer(QuantizationConfig(n_bits=8)).quantize_model, model)
     layer = model.model.layers[0].mlp.down_proj
     assert isinstance(layer, QuantizedLinear) and layer.weight.device.type == "xla"

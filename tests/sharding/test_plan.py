@@ -103,3 +103,22 @@ def test_cli_plan_from_config_without_devices(checkpoints, tmp_path):
 def test_cli_reports_bad_input(capsys, checkpoints):
     assert main(["plan", str(checkpoints["llama"]), "--strategy", "4d"]) == 2
     assert "unknown sharding_strategy '4d'" in capsys.readouterr().err
+
+
+def test_plan_says_whether_the_decoder_stack_is_scanned(tmp_path):
+    # From the config alone: a stack whose layers repeat is scanned (Gemma 2 by pairs of its
+    # alternating sliding/global layers), one that does not is unrolled with the reason, and
+    # --no-scan (scan_layers=False) says so.
+    from AutoXLA.tiny import tiny_config
+
+    llama = plan_from_config(tiny_config("llama", num_hidden_layers=6), "fsdp", 8)
+    assert (llama.stack.path, llama.stack.layers, llama.stack.group, llama.stack.scanned) == (
+        "model.layers", 6, 1, True)
+    assert "6 layers scanned as one loop of 6 steps" in str(llama)
+    gemma = plan_from_config(tiny_config("gemma2", num_hidden_layers=6), "fsdp", 8)
+    assert (gemma.stack.group, gemma.stack.steps) == (2, 3)
+    odd = plan_from_config(tiny_config("gemma2", num_hidden_layers=3), "fsdp", 8)
+    assert not odd.stack.scanned and "layer_type" in odd.stack.reason
+    off = plan_from_config(tiny_config("llama"), "fsdp", 8, scan_layers=False)
+    assert not off.stack.scanned and off.stack.reason == "scan_layers=False"
+    assert plan_from_config(tiny_config("llama"), "fsdp", 8).to_dict()["stack"]["scanned"]
