@@ -217,12 +217,6 @@ def release_freed_host_memory() -> None:
     trim(0)
 
 
-def optimization_barrier_(tensors: list) -> None:
-    """XLA's optimization barrier over ``tensors`` (in place): no computation moves across it."""
-    torch_xla, _, _ = _xla()
-    torch_xla._XLAC._xla_optimization_barrier_(list(tensors))
-
-
 def scan_loop(fn, init, xs, reverse: bool = False):
     """torch_xla's scan loop without its autograd layer: ``fn(carry, x) -> (carry, y)`` traced
     once into an XLA While whose body runs once per leading index of ``xs``; returns (carry,

@@ -47,9 +47,8 @@ def checkpoints(tmp_path_factory):
     return {f: save_tiny_checkpoint(f, root / f, seed=i) for i, f in enumerate(available_families())}
 
 
-@pytest.fixture(scope="session")
-def reference_models(checkpoints):
-    """family -> the same checkpoint in plain transformers on the CPU, fp32, eager attention.
+def reference_loader(checkpoints):
+    """family -> the checkpoint in plain transformers on the CPU, fp32, eager attention (cached).
 
     fp32 rather than fp64: in fp64, transformers' eager masking turns fully padded rows into NaN
     that leaks into valid rows through 0 * NaN (seen with Gemma2), so fp64 is not a usable oracle.
@@ -65,6 +64,12 @@ def reference_models(checkpoints):
         return cache[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def reference_models(checkpoints):
+    """family -> the tiny checkpoint in plain transformers (reference_loader)."""
+    return reference_loader(checkpoints)
 
 
 @pytest.fixture(scope="session")

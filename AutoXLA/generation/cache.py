@@ -24,7 +24,7 @@ def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
 
     dtype = getattr(torch, kv.dtype)
     if stacked:
-        from ..modeling.scan import StackedStaticCache
+        from ..modeling.scan_cache import StackedStaticCache
 
         shape = (kv.layers, kv.batch, kv.kv_heads, kv.length, kv.head_dim)
         cache = StackedStaticCache.make(kv.layers, kv.length,

@@ -29,6 +29,7 @@ from torch import nn
 from .. import backend
 from ..attention.hf import KernelMask
 from ..sharding.decoder_stack import StackPlan, find_stack
+from .scan_cache import StackedStaticCache, StepCache
 
 logger = logging.getLogger("AutoXLA")
 
@@ -49,6 +50,9 @@ class StackedDecoderLayers(nn.Module):
         self.stack_plan = plan
         self.output_hook = None      # set by wrap: activation sharding of each layer's output
         self.last_mode = ""          # "scanned" or "unrolled: <why>", for tests and the CLI
+        # state_dict() speaks transformers' per-layer names; load_state_dict takes them back.
+        self._register_state_dict_hook(_unstack_state)
+        self._register_load_state_dict_pre_hook(_restack_state)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         """Every layer on ``hidden_states`` with the same keyword arguments (transformers' model
@@ -133,7 +137,6 @@ class StackedDecoderLayers(nn.Module):
 
     def _scanned(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
         group = self.stack_plan.group
-        steps = len(indices) // group
         stacked = {n: _steps(t, indices, group) for n, t in self.stacked_tensors().items()}
         consts, rebuild = _freeze([c.kwargs for c in calls[:group]])
         step = _Step(self.shells[:group], calls[0].args, rebuild, self.output_hook)
@@ -169,6 +172,25 @@ def _fill_dynamic(cache, indices: range, keys, values) -> None:
     keys, values = keys.flatten(0, 1), values.flatten(0, 1)
     for k, i in enumerate(indices):
         cache.update(keys[k], values[k], i)      # the Cache adds lazily created layers
+
+
+def _unstack_state(module, state, prefix, local_metadata):
+    for name in [k for k in state if k.startswith(prefix + "stacked.")]:
+        t = state.pop(name)
+        rest = name[len(prefix + "stacked."):]
+        for i in range(t.shape[0]):
+            state[f"{prefix}{i}.{rest}"] = t[i]
+    return state
+
+
+def _restack_state(state, prefix, local_metadata, strict, missing, unexpected, errors):
+    by_name: dict[str, dict[int, str]] = {}
+    for key in list(state):
+        head, _, rest = key[len(prefix):].partition(".")
+        if key.startswith(prefix) and head.isdigit():
+            by_name.setdefault(rest, {})[int(head)] = key
+    for rest, keys in by_name.items():
+        state[f"{prefix}stacked.{rest}"] = torch.stack([state.pop(keys[i]) for i in sorted(keys)])
 
 
 @dataclass
@@ -232,19 +254,14 @@ class _Step:
     collect: bool = False                     # return each layer's new keys and values
 
     def layers(self, hidden, consts, weights, kv=None, fill=None):
-        # Each step's slices of the stacked weights (and cache) pass an optimization barrier:
-        # otherwise XLA:CPU moves their bf16->f32 conversion (or int8 dequantisation) onto the
-        # whole stack, outside the loop, and holds every layer's converted weights at once.
-        barrier = [*weights.values(), *(kv[0], kv[1])] if kv is not None else list(weights.values())
-        backend.optimization_barrier_(barrier)
         kwargs = self.rebuild(consts)
         new_keys, new_values = [], []
         for j, shell in enumerate(self.shells):
             cache = None
             if kv is not None:
-                cache = _StepCache(kv[0][j], kv[1][j], fill)
+                cache = StepCache(kv[0][j], kv[1][j], fill)
             elif self.collect:
-                cache = _StepCache(None, None, None)
+                cache = StepCache(None, None, None)
             kw = dict(kwargs[j])
             if "cache" in kw or cache is not None:
                 kw["cache"] = cache
@@ -308,99 +325,6 @@ class _RematScan(torch.autograd.Function):
             (grad_hidden, _), grad_weights = backend.scan_loop(
                 bwd, (grad_out, ctx.consts), (dict(zip(names, weights)), inputs), reverse=True)
         return (None, grad_hidden, None, None, *grad_weights)
-
-
-class _StepCache:
-    """The cache one layer sees inside the loop: its own slot of the static cache (keys and
-    values written at the fill level, as transformers' StaticLayer does), or, for an empty
-    dynamic cache, nothing but this call's keys and values."""
-
-    def __init__(self, keys, values, fill):
-        self.keys, self.values, self.fill = keys, values, fill
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if self.keys is None:
-            self.keys, self.values = key_states, value_states
-        else:
-            pos = torch.arange(key_states.shape[-2], device=key_states.device) + self.fill
-            self.keys = self.keys.index_copy(2, pos, key_states)
-            self.values = self.values.index_copy(2, pos, value_states)
-        return self.keys, self.values
-
-
-class StackedStaticCache:
-    """Generation's static KV cache for a scanned stack: keys and values ``[layers, batch,
-    kv_heads, length, head_dim]``, so each loop step reads and writes its layer's slot.
-
-    It is a transformers ``Cache`` (built by ``make``) whose layers are views that answer what
-    transformers' mask code asks (length, fill level); only the stack writes it.
-    """
-
-    @staticmethod
-    def make(layers: int, length: int, keys: torch.Tensor, values: torch.Tensor):
-        from transformers.cache_utils import Cache
-
-        cls = type("StackedStaticCache", (StackedStaticCache, Cache), {})
-        cache = cls.__new__(cls)
-        fill = torch.zeros((), dtype=torch.int64, device=keys.device)
-        Cache.__init__(cache, layers=[_LayerView(cache, i, length, fill) for i in range(layers)])
-        cache.keys, cache.values, cache.cumulative_length = keys, values, fill
-        return cache
-
-    def replace_layers(self, indices: range, keys, values) -> None:
-        if len(indices) == self.keys.shape[0]:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys[:indices.start], keys, self.keys[indices.stop:]])
-            self.values = torch.cat([self.values[:indices.start], values, self.values[indices.stop:]])
-
-    def advance(self, tokens: int) -> None:
-        self.cumulative_length.add_(tokens)
-
-    def write_prompt(self, prompt_cache, length: int) -> None:
-        """The prompt's keys and values (a filled DynamicCache) into the first ``length`` slots."""
-        slots = torch.arange(length, device=self.keys.device)
-        keys = torch.stack([layer.keys for layer in prompt_cache.layers])
-        values = torch.stack([layer.values for layer in prompt_cache.layers])
-        self.keys = self.keys.index_copy(3, slots, keys)
-        self.values = self.values.index_copy(3, slots, values)
-        self.advance(length)
-
-
-def _layer_view_class():
-    from transformers.cache_utils import StaticLayer
-
-    class LayerView(StaticLayer):
-        """Layer ``i`` of a StackedStaticCache; its update (the unrolled path) writes the stack."""
-
-        def __init__(self, parent, i, length, fill):
-            super().__init__(max_cache_len=length)
-            self.parent, self.index, self.cumulative_length = parent, i, fill
-            self.is_initialized = True
-
-        keys = property(lambda self: self.parent.keys[self.index], lambda self, v: None)
-        values = property(lambda self: self.parent.values[self.index], lambda self, v: None)
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            step = _StepCache(self.keys, self.values, self.cumulative_length)
-            k, v = step.update(key_states, value_states)
-            p = self.parent
-            at = torch.tensor([self.index], device=k.device)
-            p.keys = p.keys.index_copy(0, at, k.unsqueeze(0))
-            p.values = p.values.index_copy(0, at, v.unsqueeze(0))
-            return k, v
-
-    return LayerView
-
-
-def _LayerView(parent, i, length, fill):
-    global _LAYER_VIEW
-    if _LAYER_VIEW is None:
-        _LAYER_VIEW = _layer_view_class()
-    return _LAYER_VIEW(parent, i, length, fill)
-
-
-_LAYER_VIEW = None
 
 
 # -- building the stack -------------------------------------------------------------------------

@@ -79,9 +79,12 @@ def test_load_converts_dtype_exactly(checkpoints, xla_devices):
     state = {}
     for f in checkpoints["mistral"].glob("*.safetensors"):
         state.update(load_file(f))
-    for name, p in model.named_parameters():
-        assert p.dtype == torch.bfloat16
-        assert torch.equal(p.detach().cpu(), state[name].to(torch.bfloat16)), name
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # state_dict() has the checkpoint's names, also for the scanned (stacked) decoder layers.
+    loaded = model.state_dict()
+    assert set(state) <= set(loaded)
+    for name, t in state.items():
+        assert torch.equal(loaded[name].cpu(), t.to(torch.bfloat16)), name
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
 
 

@@ -11,7 +11,9 @@ from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
 from AutoXLA.tiny import available_families, save_tiny_checkpoint
+from tests.conftest import reference_loader
 from tests.helpers import assert_close, check_sharding_matches_plan
+from tests.modeling.test_training import _train
 
 FAMILIES = available_families()
 # Same weights, same ops, one loop instead of four copies: only fp32 summation order may differ
@@ -29,17 +31,7 @@ def deep(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deep_reference(deep):
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = AutoModelForCausalLM.from_pretrained(
-                deep[family], dtype=torch.float32, attn_implementation="eager").eval()
-        return cache[family]
-
-    return get
+    return reference_loader(deep)
 
 
 def _logits(model, ids, mask):
@@ -100,22 +92,6 @@ def test_scanned_generation_equals_transformers_and_compiles_once(family, deep, 
     before = backend.compile_count()
     model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=25, **args)
     assert backend.compile_count() == before
-
-
-def _train(model, steps):
-    dev = backend.device()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 250, (8, 16), generator=g).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        backend.sync()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("family,strategy,fsdp", [("llama", "fsdp", True), ("gemma2", "2d", False)])
@@ -217,3 +193,18 @@ def test_saved_scanned_model_is_a_per_layer_checkpoint(deep, deep_reference, bat
         assert_close(again(input_ids=ids, attention_mask=mask).logits[mask.bool()],
                      deep_reference("llama")(input_ids=ids, attention_mask=mask).logits[mask.bool()],
                      what="reloaded")
+
+
+def test_state_dict_has_per_layer_names_and_loads_back(deep, batch, xla_devices):
+    ids, mask = batch
+    model = AutoXLAModelForCausalLM.from_pretrained(deep["llama"], sharding_strategy="fsdp")
+    state = model.state_dict()
+    assert "model.layers.2.self_attn.o_proj.weight" in state
+    assert not any("stacked" in k for k in state)
+    before = _logits(model, ids, mask)
+    host = {k: v.cpu() for k, v in state.items()}
+    host["model.layers.1.mlp.up_proj.weight"] = host["model.layers.1.mlp.up_proj.weight"] * 0
+    model.load_state_dict(host)
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight.cpu(),
+                       torch.zeros_like(host["model.layers.1.mlp.up_proj.weight"]))
+    assert not torch.equal(_logits(model, ids, mask), before)
