@@ -10,7 +10,7 @@ programs and the peak RSS are its own. Each child measures:
 - decode: ``generate`` of a fixed number of greedy tokens: compile time of the prefill and decode
   programs, peak RSS above the loaded model, and decode tokens/s of a second, identical call.
 
-    ./run python bench/depth.py [--layers 2 8 32] [--strategy fsdp] [--hidden 512]
+    ./run python bench/depth.py [--layers 2 8 32] [--strategy fsdp] [--hidden 512] [--dtype float32]
 
 Prints one table, and per depth the unrolled/scanned ratios. What to look for: the scanned
 columns stay flat with depth (compile time and forward memory), the unrolled ones grow; scanned
@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("AUTOXLA_BENCH_CACHE", Path.home() / ".cache" / "autoxla" / "bench"))
 
 
-def checkpoint(layers: int, hidden: int) -> Path:
-    """A Llama-shaped bf16 checkpoint of ``layers`` layers (written once, then reused)."""
-    path = CACHE / f"depth-h{hidden}-l{layers}"
+def checkpoint(layers: int, hidden: int, dtype: str = "bfloat16") -> Path:
+    """A Llama-shaped checkpoint of ``layers`` layers (written once, then reused)."""
+    path = CACHE / f"depth-h{hidden}-l{layers}" if dtype == "bfloat16" else \
+        CACHE / f"depth-h{hidden}-l{layers}-{dtype}"
     if (path / "config.json").exists():
         return path
     import torch
@@ -46,7 +47,7 @@ def checkpoint(layers: int, hidden: int) -> Path:
                          num_key_value_heads=max(hidden // 256, 1), max_position_embeddings=1024,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(layers)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp, max_shard_size="200MB")
     tmp.rename(path)
@@ -122,6 +123,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--strategy", default="fsdp")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32 weights")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=32)
@@ -135,14 +137,14 @@ def main() -> int:
         return 0
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"8 virtual XLA:CPU devices, strategy {args.strategy}; hidden {args.hidden}, bf16; "
+          f"8 virtual XLA:CPU devices, strategy {args.strategy}; hidden {args.hidden}, {args.dtype}; "
           f"forward batch {args.batch} x {args.seq}; decode {args.tokens} tokens, batch 1")
     cols = ("layers", "side", "fwd compile s", "fwd peak GiB", "fwd s", "dec compile s",
             "dec peak GiB", "dec tok/s", "programs")
     print(" | ".join(cols))
     rows = {}
     for layers in args.layers:
-        path = checkpoint(layers, args.hidden)
+        path = checkpoint(layers, args.hidden, args.dtype)
         for scan in (True, False):
             r = rows[layers, scan] = spawn(path, scan, args)
             side = "scanned" if scan else "unrolled"
