@@ -201,7 +201,7 @@ def main() -> int:
     else:
         print(f"autoxla int8 {args.strategy}: {a['stack']}")
         print(f"  load     {a['load_s']:6.1f} s   peak RSS {a['load_peak_gib']:5.2f} GiB "
-              f"(quantized model {a['model_gib']:.2f} GiB)")
+              f"(quantized model {a['model_gib']:.2f} GiB; {a['loaded_gib']:.2f} GiB once loaded)")
         print(f"  forward  {a['forward_s']:6.1f} s   peak RSS {a['forward_peak_gib']:5.2f} GiB   "
               f"{a['forward_compiles']} programs compiled; logits finite: {a['forward_finite']}")
         print(f"  generate {a['generate_s']:6.1f} s   peak RSS {a['generate_peak_gib']:5.2f} GiB   "

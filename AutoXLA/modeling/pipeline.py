@@ -178,6 +178,8 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbos
             in_flight = 0
         progress.update(1)
     progress.close()
+    backend.wait_for_transfers()
+    backend.release_freed_host_memory()   # the host shards, freed but kept by malloc's arenas
     _retie(model, plan)
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
             if p.device.type == "meta"]
