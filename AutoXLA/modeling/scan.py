@@ -344,9 +344,8 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
         tensors = [(o._parameters if is_param else o._buffers)[leaf] for o in owners]
         requires_grad = tensors[0].requires_grad
         value = torch.stack([t.detach() for t in tensors])
-        entry = plan[f"{path}.0.{name}"] if f"{path}.0.{name}" in _names(plan) else None
-        if entry is not None and value.device.type == "xla":
-            backend.mark_sharding(value, mesh, (None, *entry.spec))
+        if value.device.type == "xla":     # the layer's planned spec, the layer axis unsplit
+            backend.mark_sharding(value, mesh, (None, *plan[f"{path}.0.{name}"].spec))
         persistent = leaf not in owners[0]._non_persistent_buffers_set
         for o in owners:
             del (o._parameters if is_param else o._buffers)[leaf]
@@ -398,13 +397,6 @@ def _stacked_getattr(self, name: str):
     if source is not None and (name in source._parameters or name in source._buffers):
         return getattr(source, name)[index]
     return super(type(self), self).__getattr__(name)
-
-
-def _names(plan) -> set:
-    cached = plan.__dict__.get("_stack_names")
-    if cached is None:
-        cached = plan.__dict__["_stack_names"] = {t.name for t in plan}
-    return cached
 
 
 def _container(root: nn.Module, path: str) -> nn.Module:
