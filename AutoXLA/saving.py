@@ -57,24 +57,18 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _unstacked(model: nn.Module, named: list) -> list:
     """A scanned decoder stack (modeling/scan.py) holds ``[layers, ...]`` tensors: save them under
-    the per-layer names transformers' checkpoints use, each layer's slice."""
+    the per-layer names transformers' checkpoints use, each layer's slice, where they stood."""
     for prefix, m in model.named_modules():
         if not hasattr(m, "per_layer_items"):
             continue
         # FSDPv2 keeps the wrapped module as `_orig_module`: save the model's own names.
         prefix = ".".join(part for part in prefix.split(".") if part + "." != _FSDP_WRAPPED)
         stacked = f"{prefix}.stacked." if prefix else "stacked."
-        head = [(n, t) for n, t in named if not n.replace(_FSDP_WRAPPED, "").startswith(stacked)]
-        at = next((i for i, (n, _) in enumerate(named)
-                   if n.replace(_FSDP_WRAPPED, "").startswith(stacked)), len(head))
-        named = head[:at] + sorted(m.per_layer_items(f"{prefix}." if prefix else ""),
-                                   key=lambda item: _layer_order(item[0])) + head[at:]
+        inside = [n.replace(_FSDP_WRAPPED, "").startswith(stacked) for n, _ in named]
+        at = inside.index(True) if True in inside else len(named)
+        rest = [item for item, skip in zip(named, inside) if not skip]
+        named = rest[:at] + list(m.per_layer_items(f"{prefix}." if prefix else "")) + rest[at:]
     return named
-
-
-def _layer_order(name: str):
-    parts = name.split(".")
-    return [int(p) if p.isdigit() else 0 for p in parts[:-1]], name
 
 
 def _parse_size(size) -> int:

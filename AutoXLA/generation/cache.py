@@ -15,6 +15,7 @@ import torch
 
 from .. import backend
 from ..sharding.kv_cache import KVCachePlan
+from .stacked_cache import StackedStaticCache
 
 
 def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
@@ -24,8 +25,6 @@ def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
 
     dtype = getattr(torch, kv.dtype)
     if stacked:
-        from ..modeling.scan_cache import StackedStaticCache
-
         shape = (kv.layers, kv.batch, kv.kv_heads, kv.length, kv.head_dim)
         cache = StackedStaticCache.make(kv.layers, kv.length,
                                         torch.zeros(shape, dtype=dtype, device=device),
@@ -50,7 +49,7 @@ def pin(cache, kv: KVCachePlan, mesh) -> None:
     differ between the prefill and a decode step: a different input sharding is a different
     program, and the first decode step would compile one of its own.
     """
-    if hasattr(cache, "write_prompt"):          # stacked: the layer axis unsplit
+    if isinstance(cache, StackedStaticCache):          # the layer axis unsplit
         backend.mark_sharding(cache.keys, mesh, (None, *kv.spec))
         backend.mark_sharding(cache.values, mesh, (None, *kv.spec))
         backend.mark_sharding(cache.cumulative_length, mesh, ())
@@ -62,7 +61,7 @@ def pin(cache, kv: KVCachePlan, mesh) -> None:
 
 def write_prompt(cache, prompt_cache, length: int, device) -> None:
     """The prompt's keys and values (a DynamicCache the prefill filled) into the first slots."""
-    if hasattr(cache, "write_prompt"):
+    if isinstance(cache, StackedStaticCache):
         cache.write_prompt(prompt_cache, length)
         return
     slots = torch.arange(length, device=device)

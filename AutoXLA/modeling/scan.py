@@ -29,9 +29,10 @@ from torch import nn
 from .. import backend
 from ..attention.hf import KernelMask
 from ..sharding.decoder_stack import StackPlan, find_stack
-from .scan_cache import StackedStaticCache, StepCache
+from ..generation.stacked_cache import StackedStaticCache, StepCache
 
 logger = logging.getLogger("AutoXLA")
+_CACHE_KEYS = ("cache", "past_key_values")   # transformers 5.24 renames the second to the first
 
 
 class StackedTensors(nn.Module):
@@ -86,18 +87,23 @@ class StackedDecoderLayers(nn.Module):
     def per_layer_items(self, prefix: str):
         """(``{prefix}{i}.{name}``, layer i's slice) for every stacked tensor: the names and
         tensors of the unstacked model, for saving and for checks against the plan."""
-        for name, t in self.stacked_tensors().items():
-            for i in range(len(self)):
+        stacked = self.stacked_tensors()
+        for i in range(len(self)):
+            for name, t in stacked.items():
                 yield f"{prefix}{i}.{name}", t[i]
 
     # -- running ---------------------------------------------------------------------------
     def run(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
         why = self._why_unrolled(indices, calls)
+        if not why:
+            frozen = _freeze([c.kwargs for c in calls[:self.stack_plan.group]])
+            if torch.is_grad_enabled() and any(t.requires_grad for t in frozen[0]):
+                why = "an argument of the layers requires gradients"
         self.last_mode = "unrolled: " + why if why else "scanned"
         if why:
             logger.debug("decoder stack runs unrolled: %s", why)
             return self._unrolled(indices, calls)
-        return self._scanned(indices, calls)
+        return self._scanned(indices, calls, *frozen)
 
     def _why_unrolled(self, indices: range, calls: list["_Call"]) -> str:
         plan, group = self.stack_plan, self.stack_plan.group
@@ -118,8 +124,6 @@ class StackedDecoderLayers(nn.Module):
                 return "a static cache while computing gradients"
             if self.training and _has_dropout(self.shells[0]):
                 return "dropout in training (its recomputation in the backward would differ)"
-            if any(t.requires_grad for c in calls[:group] for t in _tensors_in(c.kwargs)):
-                return "an argument of the layers requires gradients"
         return ""
 
     def _unrolled(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
@@ -135,10 +139,9 @@ class StackedDecoderLayers(nn.Module):
             cache.advance(calls[0].new_tokens())
         return hidden
 
-    def _scanned(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
+    def _scanned(self, indices: range, calls: list["_Call"], consts, rebuild) -> torch.Tensor:
         group = self.stack_plan.group
         stacked = {n: _steps(t, indices, group) for n, t in self.stacked_tensors().items()}
-        consts, rebuild = _freeze([c.kwargs for c in calls[:group]])
         step = _Step(self.shells[:group], calls[0].args, rebuild, self.output_hook)
         hidden, cache = calls[0].hidden, calls[0].cache
         if torch.is_grad_enabled():      # only an empty dynamic cache gets here (_why_unrolled)
@@ -176,10 +179,8 @@ def _fill_dynamic(cache, indices: range, keys, values) -> None:
 
 def _unstack_state(module, state, prefix, local_metadata):
     for name in [k for k in state if k.startswith(prefix + "stacked.")]:
-        t = state.pop(name)
-        rest = name[len(prefix + "stacked."):]
-        for i in range(t.shape[0]):
-            state[f"{prefix}{i}.{rest}"] = t[i]
+        del state[name]
+    state.update((k, t.detach()) for k, t in module.per_layer_items(prefix))
     return state
 
 
@@ -201,7 +202,7 @@ class _Call:
 
     @property
     def cache(self):
-        return self.kwargs.get("cache", self.kwargs.get("past_key_values"))
+        return next((self.kwargs[k] for k in _CACHE_KEYS if k in self.kwargs), None)
 
     def new_tokens(self) -> int:
         return self.hidden.shape[1]
@@ -262,10 +263,7 @@ class _Step:
                 cache = StepCache(kv[0][j], kv[1][j], fill)
             elif self.collect:
                 cache = StepCache(None, None, None)
-            kw = dict(kwargs[j])
-            if "cache" in kw or cache is not None:
-                kw["cache"] = cache
-            kw.pop("past_key_values", None)
+            kw = kwargs[j] if cache is None else {**kwargs[j], "cache": cache}
             hidden = _call_layer(shell, {n: w[j] for n, w in weights.items()}, hidden,
                                  self.args, kw)
             if self.output_hook is not None:
@@ -500,22 +498,9 @@ def _has_dropout(layer: nn.Module) -> bool:
     return False
 
 
-def _tensors_in(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors_in(v)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors_in(v)
-    elif isinstance(value, KernelMask) and value.segment_ids is not None:
-        yield value.segment_ids
-
-
 def _freeze(kwargs_list: list[dict]):
-    """The tensors in the layers' arguments (each once), and a function rebuilding the arguments
-    from a same-ordered list of tensors. They enter the loop as inputs; a tensor the loop body
+    """The tensors in the layers' arguments but the cache (each once), and a function rebuilding
+    the arguments from a same-ordered list of tensors. They enter the loop as inputs; a tensor the loop body
     only captured would be recomputed from its graph at every step. A KernelMask that needs its
     dense mask is built once here."""
     leaves: list[torch.Tensor] = []
@@ -550,21 +535,15 @@ def _freeze(kwargs_list: list[dict]):
             return lambda ts: {k: p(ts) for k, p in parts.items()}
         return lambda ts: v
 
-    builders = [{k: plan(v) for k, v in kw.items() if k not in ("cache", "past_key_values")}
-                for kw in kwargs_list]
-    cache_keys = [[k for k in kw if k in ("cache", "past_key_values")] for kw in kwargs_list]
+    # The cache is not an argument the loop carries: each step hands its layers their own.
+    builders = [{k: plan(v) for k, v in kw.items() if k not in _CACHE_KEYS} for kw in kwargs_list]
     # ``plan`` refers to itself through its cell: a reference cycle that would keep ``leaves``
     # (this call's masks and rotary tensors) alive until the garbage collector runs, and a live
     # tensor is an output of the next program, which then differs from step to step.
     plan = leaf = None
 
     def rebuild(ts):
-        out = []
-        for b, keys in zip(builders, cache_keys):
-            kw = {k: p(ts) for k, p in b.items()}
-            kw.update({k: None for k in keys})
-            out.append(kw)
-        return out
+        return [{k: p(ts) for k, p in b.items()} for b in builders]
 
     return tuple(leaves), rebuild
 

@@ -77,16 +77,14 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
     model.autoxla_mesh = mesh
     saving.attach(model)
     if not opts.use_fsdp_wrap:
-        if stack is not None:
-            model.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
-            return model
-        if opts.gradient_checkpointing:
+        if stack is None:      # a scanned stack checkpoints and shards each layer itself
+            if opts.gradient_checkpointing:
+                for m in model.modules():
+                    if type(m) in layer_classes:
+                        checkpoint_module(m)
             for m in model.modules():
                 if type(m) in layer_classes:
-                    checkpoint_module(m)
-        for m in model.modules():
-            if type(m) in layer_classes:
-                m.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
+                    m.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
         model.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
         return model
     FSDPv2, transformer_auto_wrap_policy, _ = backend.fsdpv2()

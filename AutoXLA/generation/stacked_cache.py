@@ -1,4 +1,4 @@
-"""The KV caches of a scanned decoder stack (modeling/scan.py).
+"""The KV caches of a scanned decoder stack (modeling/scan.py runs the stack).
 
 ``StepCache`` is what one layer sees inside the loop; ``StackedStaticCache`` is generation's static
 cache with one ``[layers, ...]`` K and V, a transformers ``Cache`` whose layers are views.
@@ -80,6 +80,7 @@ def _classes():
             self.parent, self.index, self.cumulative_length = parent, i, fill
             self.is_initialized = True
 
+        # Reads are the parent's slot; StaticLayer's __init__ assigns None, which is ignored.
         keys = property(lambda self: self.parent.keys[self.index], lambda self, v: None)
         values = property(lambda self: self.parent.values[self.index], lambda self, v: None)
 
