@@ -22,14 +22,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from child import run_json_child
 from memory import PeakRSS, rss
 
-ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("AUTOXLA_BENCH_CACHE", Path.home() / ".cache" / "autoxla" / "bench"))
 
 
@@ -100,20 +99,10 @@ def child(path: str, scan: bool, strategy: str, batch: int, seq: int, tokens: in
 
 
 def spawn(path: Path, scan: bool, args) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, __file__, "--child", str(path), "--scan", str(int(scan)),
-           "--strategy", args.strategy, "--batch", str(args.batch), "--seq", str(args.seq),
-           "--tokens", str(args.tokens)]
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.limit)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {args.limit:.0f} s"}
-    if p.returncode != 0:
-        tail = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return {"error": f"exit {p.returncode}: {tail[:120]}"}
-    result = json.loads(p.stdout.strip().splitlines()[-1])
+    result = run_json_child([__file__, "--child", str(path), "--scan", str(int(scan)),
+                             "--strategy", args.strategy, "--batch", str(args.batch),
+                             "--seq", str(args.seq), "--tokens", str(args.tokens)], args.limit)
     result["wall_s"] = time.perf_counter() - t0
     return result
 

@@ -17,11 +17,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from child import run_json_child
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -56,19 +57,8 @@ def one(side: str, tokens: int, strategy: str, path: str) -> dict:
 
 
 def spawn(side: str, tokens: int, strategy: str, path: str, limit: float) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, __file__, "--child", side, str(tokens), strategy, path]
-    t0 = time.perf_counter()
-    try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
-    except subprocess.TimeoutExpired:
-        return {"cut": f"not finished after {limit:.0f} s"}
-    if out.returncode != 0:
-        tail = [l for l in out.stderr.strip().splitlines() if l.strip()][-1:] or ["?"]
-        return {"cut": f"process died (exit {out.returncode}) after "
-                       f"{time.perf_counter() - t0:.0f} s: {tail[0][:120]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_json_child([__file__, "--child", side, str(tokens), strategy, path], limit)
+    return {"cut": r["error"]} if "error" in r else r
 
 
 def main() -> int:

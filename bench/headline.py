@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from child import child_env
 from memory import PeakRSS, rss
 
-ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("AUTOXLA_BENCH_CACHE", Path.home() / ".cache" / "autoxla" / "bench"))
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
@@ -143,12 +143,10 @@ def transformers_load(path: str) -> dict:
 
 def spawn(side: str, path: Path, args) -> dict:
     """Runs one side in a child; samples its RSS every 20 ms and stops it above ``args.cap``."""
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONPATH=str(ROOT))
     cmd = [sys.executable, __file__, "--child", side, "--path", str(path),
            "--strategy", args.strategy, "--tokens", str(args.tokens)]
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak, stopped = 0, ""
     page = os.sysconf("SC_PAGE_SIZE")
     while p.poll() is None:
