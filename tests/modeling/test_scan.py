@@ -208,3 +208,13 @@ def test_state_dict_has_per_layer_names_and_loads_back(deep, batch, xla_devices)
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight.cpu(),
                        torch.zeros_like(host["model.layers.1.mlp.up_proj.weight"]))
     assert not torch.equal(_logits(model, ids, mask), before)
+
+
+def test_bad_scan_layers_and_quantizing_a_scanned_model_are_clear_errors(deep, xla_devices):
+    from AutoXLA.quantization import ModelQuantizer
+
+    with pytest.raises(TypeError, match="scan_layers must be True or False"):
+        AutoXLAModelForCausalLM.from_pretrained(deep["llama"], scan_layers="yes")
+    model = AutoXLAModelForCausalLM.from_pretrained(deep["llama"])
+    with pytest.raises(ValueError, match="is scanned.*scan_layers=False"):
+        ModelQuantizer(QuantizationConfig(n_bits=8)).quantize_model(model)
