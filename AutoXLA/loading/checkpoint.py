@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
+import warnings
+import zipfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -93,6 +96,7 @@ class Checkpoint:
     directory: Path
     records: dict[str, TensorRecord]   # empty for pickle checkpoints
     pickle_files: list[Path]
+    pickle_map: dict[str, Path] | None = None   # a sharded pickle index: name -> file
 
     @property
     def is_pickle(self) -> bool:
@@ -103,6 +107,11 @@ def locate(path_or_id: str | os.PathLike, *, use_safetensors: bool | None = None
            subfolder: str = "", **hub_kwargs) -> Checkpoint:
     """The checkpoint at a local directory or a hub id (downloaded or from the hub cache).
 
+    Every header and index is validated here, before any tensor byte is read. For a sharded
+    checkpoint the index is the authority: each tensor comes from the shard the index names (it
+    must be there), and a tensor a shard holds but the index assigns elsewhere, or not at all, is
+    ignored with a warning (docs/security.md).
+
     Pickle weights (``pytorch_model*.bin``) are never unpickled unless the caller opts in with
     ``use_safetensors=False``; then they are read with ``torch.load(weights_only=True)``.
     """
@@ -110,46 +119,142 @@ def locate(path_or_id: str | os.PathLike, *, use_safetensors: bool | None = None
     if not directory.is_dir():
         directory = _download(str(path_or_id), use_safetensors, **hub_kwargs)
     directory = directory / subfolder if subfolder else directory
-    files = _safetensors_files(directory)
-    if files and use_safetensors is not False:
-        records: dict[str, TensorRecord] = {}
-        for f in files:
-            records.update(read_safetensors_header(f))
-        return Checkpoint(directory, records, [])
-    pickles = _pickle_files(directory)
-    if pickles and use_safetensors is False:
-        return Checkpoint(directory, {}, pickles)
-    if pickles:
+    if use_safetensors is not False:
+        found = _safetensors_files(directory)
+        if found is not None:
+            return Checkpoint(directory, _indexed_records(directory, *found), [])
+    found = _pickle_files(directory)
+    if found is not None and use_safetensors is False:
+        return Checkpoint(directory, {}, found[0], pickle_map=found[1])
+    if found is not None:
         raise CheckpointError(
-            f"{directory} holds only pickle weights ({pickles[0].name}); AutoXLA does not unpickle "
-            "by default because pickle files can run code. Convert them to safetensors "
+            f"{directory} holds only pickle weights ({found[0][0].name}); AutoXLA does not "
+            "unpickle by default because pickle files can run code. Convert them to safetensors "
             "(model.save_pretrained(dir, safe_serialization=True)), or pass use_safetensors=False "
             "to load them with torch.load(weights_only=True) if you trust the source")
     raise CheckpointError(f"no weights in {directory}: expected {SAFE_SINGLE} or {SAFE_INDEX} "
                           "(from save_pretrained); check the path and the subfolder")
 
 
-def _safetensors_files(d: Path) -> list[Path]:
-    if (d / SAFE_INDEX).is_file():
-        index = json.loads((d / SAFE_INDEX).read_text())
-        names = sorted(set(index.get("weight_map", {}).values()))
-        missing = [n for n in names if not (d / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{d / SAFE_INDEX} lists {missing[:3]} but they are not in {d}; "
-                                  "the download is incomplete: fetch the missing shards")
-        return [d / n for n in names]
-    if (d / SAFE_SINGLE).is_file():
-        return [d / SAFE_SINGLE]
-    return []
+# An index is a few MB even for the largest models; more is garbage, not a checkpoint.
+_MAX_INDEX = 100_000_000
 
 
-def _pickle_files(d: Path) -> list[Path]:
-    if (d / PICKLE_INDEX).is_file():
-        index = json.loads((d / PICKLE_INDEX).read_text())
-        return [d / n for n in sorted(set(index.get("weight_map", {}).values()))]
-    if (d / PICKLE_SINGLE).is_file():
-        return [d / PICKLE_SINGLE]
-    return []
+def _present(path: Path) -> bool:
+    """Whether ``path`` exists at all (a FIFO or directory does: it is then refused, not skipped)."""
+    return os.path.lexists(path)
+
+
+def require_regular_file(path: Path, what: str) -> None:
+    """Refuse anything but a regular file (after symlinks, as the hub cache uses) before opening:
+    opening a FIFO blocks forever, a device reads forever."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file (a dangling link?); {what} must be a "
+                              "regular file: download or save the checkpoint again") from None
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+                if stat.S_ISSOCK(mode) else "not a regular file")
+        raise CheckpointError(f"{path} is {kind}; {what} must be a regular file: replace it with "
+                              "the file from the checkpoint")
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """The validated ``weight_map`` of a sharded checkpoint's index: tensor name -> shard file,
+    every file a relative path that stays inside the checkpoint directory."""
+    require_regular_file(path, "the index")
+    size = os.stat(path).st_size
+    if size > _MAX_INDEX:
+        raise CheckpointError(f"{path} is {size} bytes, not a plausible index (at most "
+                              f"{_MAX_INDEX}); the file is corrupt: download or save it again")
+    try:
+        index = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, RecursionError) as e:     # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path}: unreadable JSON ({type(e).__name__}: {e}); the index is "
+                              "corrupt or truncated: download or save it again") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        got = (type(index).__name__ if not isinstance(index, dict) else
+               "no weight_map" if "weight_map" not in index else
+               f"a weight_map of type {type(weight_map).__name__}")
+        raise CheckpointError(f"{path}: expected a JSON object with a \"weight_map\" object "
+                              f"(tensor name -> shard file), got {got}; the index is corrupt: "
+                              "download or save it again")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise CheckpointError(f"{path}: tensor {name!r} maps to {file!r}, not a file name; "
+                                  "the index is corrupt: download or save it again")
+        parts = PurePosixPath(file).parts
+        if (PurePosixPath(file).is_absolute() or ".." in parts or "\0" in file
+                or "\\" in file):
+            raise CheckpointError(f"{path}: tensor {name!r} maps to {file!r}, which is outside the "
+                                  "checkpoint directory; an index may only name files inside it "
+                                  "(a hostile or broken index): fix or re-download the checkpoint")
+    return weight_map
+
+
+def _shard_files(d: Path, index_name: str, weight_map: dict[str, str]) -> list[Path]:
+    names = sorted(set(weight_map.values()))
+    missing = [n for n in names if not _present(d / n)]
+    if missing:
+        raise CheckpointError(f"{d / index_name} lists {missing[:3]} but they are not in {d}; "
+                              "the download is incomplete: fetch the missing shards")
+    for n in names:
+        require_regular_file(d / n, f"shard {n} (named by {index_name})")
+    return [d / n for n in names]
+
+
+def _safetensors_files(d: Path):
+    """(files, weight_map or None), or None when ``d`` has no safetensors weights."""
+    if _present(d / SAFE_INDEX):
+        weight_map = read_index(d / SAFE_INDEX)
+        return _shard_files(d, SAFE_INDEX, weight_map), weight_map
+    if _present(d / SAFE_SINGLE):
+        require_regular_file(d / SAFE_SINGLE, "the weights")
+        return [d / SAFE_SINGLE], None
+    return None
+
+
+def _indexed_records(d: Path, files: list[Path], weight_map) -> dict[str, TensorRecord]:
+    """Every tensor the checkpoint loads, each from the one file the index assigns it to."""
+    headers = {f: read_safetensors_header(f) for f in files}
+    if weight_map is None:
+        return headers[files[0]]
+    records, ignored = {}, []
+    for name, file in weight_map.items():
+        record = headers[d / file].get(name)
+        if record is None:
+            raise CheckpointError(
+                f"{d / SAFE_INDEX} puts tensor {name!r} in {file}, but {file} holds no such "
+                "tensor; the index and the shards come from different saves: download or save "
+                "the checkpoint again")
+        records[name] = record
+    for f, header in headers.items():
+        ignored += [f"{n} (in {f.name})" for n in header
+                    if n not in weight_map or d / weight_map[n] != f]
+    if ignored:
+        warnings.warn(f"{d}: {len(ignored)} tensor(s) in the shards are not assigned to that shard "
+                      f"by {SAFE_INDEX} and are ignored, e.g. {', '.join(ignored[:3])}; the index "
+                      "decides which copy loads", CheckpointWarning, stacklevel=3)
+    return records
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint that loads, but not entirely as its files suggest."""
+
+
+def _pickle_files(d: Path):
+    """(files, weight_map or None), or None when ``d`` has no pickle weights."""
+    if _present(d / PICKLE_INDEX):
+        weight_map = read_index(d / PICKLE_INDEX)
+        return (_shard_files(d, PICKLE_INDEX, weight_map),
+                {name: d / file for name, file in weight_map.items()})
+    if _present(d / PICKLE_SINGLE):
+        require_regular_file(d / PICKLE_SINGLE, "the weights")
+        return [d / PICKLE_SINGLE], None
+    return None
 
 
 def _download(repo_id: str, use_safetensors, revision=None, cache_dir=None,
@@ -169,11 +274,39 @@ def _download(repo_id: str, use_safetensors, revision=None, cache_dir=None,
                               "directory written by save_pretrained") from e
 
 
-def load_pickle_state(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Opt-in only (use_safetensors=False): reads .bin weights without running pickled code."""
+def load_pickle_state(files: list[Path], weight_map: dict[str, Path] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """Opt-in only (use_safetensors=False): reads .bin weights without running pickled code.
+
+    Zip files (torch >= 1.6) are memory-mapped; legacy (non-zip) files are read whole. With an
+    index (``weight_map``: tensor name -> its file), each tensor is taken from the file the index
+    names, as for safetensors.
+    """
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+        require_regular_file(f, "a pickle weight file")
+        try:
+            loaded = torch.load(f, map_location="cpu", weights_only=True,
+                                mmap=zipfile.is_zipfile(f))
+        except Exception as e:   # UnpicklingError (refused object), EOFError, RuntimeError...
+            raise CheckpointError(
+                f"{f}: cannot be read as PyTorch weights ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); only tensors are loaded "
+                "(weights_only=True): convert the checkpoint to safetensors, or download it "
+                "again") from None
+        if not isinstance(loaded, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+            raise CheckpointError(f"{f} holds a {type(loaded).__name__}, not a state dict of named "
+                                  "tensors; save model.state_dict(), or convert to safetensors")
+        if weight_map is not None:
+            mine = {n for n, file in weight_map.items() if file == f}
+            absent = sorted(mine - set(loaded))
+            if absent:
+                raise CheckpointError(f"the index puts tensor {absent[0]!r} in {f.name}, but "
+                                      f"{f.name} holds no such tensor; the index and the files come "
+                                      "from different saves: download or save again")
+            loaded = {n: t for n, t in loaded.items() if n in mine}
+        state.update(loaded)
     return state
 
 

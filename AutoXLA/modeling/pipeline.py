@@ -144,7 +144,8 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
 
 def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbose: bool = False) -> None:
     """Step 3: stream every tensor from the checkpoint into its sharded place on the devices."""
-    state = ckpt.load_pickle_state(checkpoint.pickle_files) if checkpoint.is_pickle else None
+    state = (ckpt.load_pickle_state(checkpoint.pickle_files, checkpoint.pickle_map)
+             if checkpoint.is_pickle else None)
     sources, quantize = _sources(model, plan, checkpoint, state)
     report = getattr(model, "autoxla_quantization", None)
     progress = _progress(plan, verbose)
