@@ -7,6 +7,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -363,11 +364,22 @@ int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
     int64_t share = (rows + threads - 1) / threads;
     if (chunk_rows > share) chunk_rows = share;
 
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever;
+     * on a regular file (or a device such as /dev/zero) it changes nothing. A FIFO, socket
+     * or directory never holds a tensor: refused on the descriptor itself, so a path
+     * swapped after the caller's own checks (_native.py takes regular files only) cannot
+     * hang the call. */
     int fd;
     do {
-        fd = open(path, O_RDONLY | O_CLOEXEC);
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     } while (fd < 0 && errno == EINTR);
     if (fd < 0) return AXL_ERR_IO;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
+        S_ISDIR(st.st_mode)) {
+        close(fd);
+        return AXL_ERR_IO;
+    }
 
     read_job job = {
         .plan = &plan,
