@@ -15,11 +15,18 @@ import torch
 from .sharding.mesh import AXES, MeshShape, validate_mesh_axes
 
 
+# Virtual XLA:CPU devices share this host's cores and memory: more than this is a typo.
+MAX_CPU_DEVICES = 256
+
+
 def use_cpu_devices(count: int = 8) -> None:
     """Ask for ``count`` virtual XLA:CPU devices, unless the environment already chose a device.
 
     Must run before torch_xla starts its runtime; tests, the demo and the benchmarks call it.
     """
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_CPU_DEVICES:
+        raise ValueError(f"{count!r} virtual CPU devices: use 1 to {MAX_CPU_DEVICES} (XLA:CPU "
+                         "starts one client per device; 8 is what the tests and the demo use)")
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     if os.environ["PJRT_DEVICE"] == "CPU":
         os.environ.setdefault("CPU_NUM_DEVICES", str(count))

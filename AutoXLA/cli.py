@@ -39,8 +39,9 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
     for the config, else the first segmentation auto class (in the seed's order) that knows it.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
+    from .modeling.empty import load_config
     from .modeling.pipeline import empty_model, pick_auto_class, quantize_on_meta
     from .modeling.segmentation import auto_classes
     from .sharding.mesh import mesh_shape_for, normalize_strategy
@@ -52,7 +53,7 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
         path = os.fspath(path_or_config)
         if os.path.isfile(path):            # a config.json given directly
             path = os.path.dirname(os.path.abspath(path))
-        config = AutoConfig.from_pretrained(path)
+        config = load_config(path)
     if isinstance(dtype, str):
         if dtype.lower() not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
@@ -104,10 +105,54 @@ def _cmd_demo(args) -> int:
     return 0 if run_demo(args.dir, strategy=args.strategy) else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one ``autoxla: error:`` line (exit code 2) like every other
+    user error, and the sub-command's --help named as where to look."""
+
+    def error(self, message):
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+class _UsageError(Exception):
+    pass
+
+
+# What a user's input can raise anywhere below (bad paths, configs, checkpoints, arguments):
+# reported in one line. Anything else is a bug in AutoXLA and says so.
+_USER_ERRORS = (ValueError, OSError, TypeError, LookupError, ImportError, _UsageError)
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="autoxla", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("autoxla: interrupted", file=sys.stderr)
+        return 130
+    except _USER_ERRORS as e:
+        print(f"autoxla: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except RecursionError as e:     # a pathologically nested config or JSON file
+        print(f"autoxla: error: input nested too deeply to read ({e})", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - the last line of defence: one line, not a traceback
+        if os.environ.get("AUTOXLA_TRACEBACK"):
+            raise
+        print(f"autoxla: internal error: {type(e).__name__}: {_one_line(e)}; this is a bug in "
+              "AutoXLA: please report it with the command line (AUTOXLA_TRACEBACK=1 shows the "
+              "traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, (ValueError, _UsageError)) or text.startswith(type(e).__name__) \
+        else f"{text} ({type(e).__name__})"
+
+
+def _main(argv) -> int:
+    parser = _Parser(prog="autoxla", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="print the sharding plan of a checkpoint from its config")
     p.add_argument("path", help="checkpoint directory, config.json, or hub id")
     p.add_argument("--strategy", default="fsdp", help="fsdp, dp, mp, 2d or 3d (default fsdp)")
@@ -133,11 +178,7 @@ def main(argv=None) -> int:
                    "(default $AUTOXLA_CACHE or ~/.cache/autoxla/models)")
     d.set_defaults(func=_cmd_demo)
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as e:
-        print(f"autoxla: error: {e}", file=sys.stderr)
-        return 2
+    return args.func(args)
 
 
 if __name__ == "__main__":

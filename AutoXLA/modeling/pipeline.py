@@ -18,7 +18,7 @@ from ..loading import streaming
 from ..sharding.mesh import mesh_shape_for
 from ..sharding.plan import Plan, build_plan
 from . import wrap as wrapping
-from .empty import parameters_on_meta
+from .empty import check_sizes, load_config, parameters_on_meta
 from .options import LoadOptions
 
 logger = logging.getLogger("AutoXLA")
@@ -39,9 +39,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
     ``auto_class`` is a transformers auto class, or a sequence of them tried in order (the first
     whose mapping knows the config's type is used).
     """
-    from transformers import AutoConfig
-
-    config, unused = AutoConfig.from_pretrained(
+    config, unused = load_config(
         path, trust_remote_code=opts.trust_remote_code, return_unused_kwargs=True,
         **opts.hub_kwargs, **opts.config_kwargs)
     if unused:
@@ -79,6 +77,7 @@ def empty_model(config, auto_class, dtype="auto", trust_remote_code: bool = Fals
     Shared by from_pretrained and ``autoxla plan``, so the plan a user previews is the plan the
     loader executes.
     """
+    check_sizes(config)
     dtype = resolve_dtype(dtype, config)
     with parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -76,8 +76,15 @@ def normalize_strategy(strategy: str) -> str:
     return _ALIASES[strategy.strip().lower()]
 
 
+# More devices than any TPU deployment has (a v5p pod is 8,960 chips); beyond it a count is a typo,
+# and the divisor search below stays instant (sqrt of the limit steps).
+MAX_DEVICES = 2**24
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of n, ascending, in sqrt(n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _balanced_split(n: int) -> tuple[int, int]:
@@ -99,8 +106,11 @@ def mesh_shape_for(strategy: str, num_devices: int) -> MeshShape:
              (8 -> 2 x 2 x 2, 16 -> 2 x 4 x 2, 32 -> 4 x 4 x 2)
     A prime N leaves the smaller axes at 1; the plan shows the result.
     """
-    if not isinstance(num_devices, int) or num_devices < 1:
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    if num_devices > MAX_DEVICES:
+        raise ValueError(f"num_devices={num_devices} is more devices than any TPU deployment has "
+                         f"(AutoXLA plans up to {MAX_DEVICES}); check the count")
     kind = normalize_strategy(strategy)
     n = num_devices
     if kind == "fsdp":
