@@ -118,7 +118,9 @@ def locate(path_or_id: str | os.PathLike, *, use_safetensors: bool | None = None
     directory = Path(path_or_id)
     if not directory.is_dir():
         directory = _download(str(path_or_id), use_safetensors, **hub_kwargs)
-    directory = directory / subfolder if subfolder else directory
+    if subfolder:
+        _check_inside(directory, "subfolder", subfolder, "the subfolder argument")
+        directory = directory / subfolder
     if use_safetensors is not False:
         found = _safetensors_files(directory)
         if found is not None:
@@ -186,13 +188,17 @@ def read_index(path: Path) -> dict[str, str]:
         if not isinstance(file, str) or not file:
             raise CheckpointError(f"{path}: tensor {name!r} maps to {file!r}, not a file name; "
                                   "the index is corrupt: download or save it again")
-        parts = PurePosixPath(file).parts
-        if (PurePosixPath(file).is_absolute() or ".." in parts or "\0" in file
-                or "\\" in file):
-            raise CheckpointError(f"{path}: tensor {name!r} maps to {file!r}, which is outside the "
-                                  "checkpoint directory; an index may only name files inside it "
-                                  "(a hostile or broken index): fix or re-download the checkpoint")
+        _check_inside(path, repr(name), file, "an index")
     return weight_map
+
+
+def _check_inside(where: Path, what: str, file: str, who: str) -> None:
+    """A relative path that cannot leave the checkpoint directory (no absolute path, no ``..``)."""
+    pure = PurePosixPath(file)
+    if pure.is_absolute() or ".." in pure.parts or "\0" in file or "\\" in file:
+        raise CheckpointError(f"{where}: {what} names {file!r}, which is outside the checkpoint "
+                              f"directory; {who} may only name files inside it (a hostile or "
+                              "broken checkpoint): fix it or download it again")
 
 
 def _shard_files(d: Path, index_name: str, weight_map: dict[str, str]) -> list[Path]:

@@ -63,6 +63,12 @@ def test_index_may_not_leave_the_directory(sharded, target):
     assert repr(name) in str(e.value) and str(d / INDEX) in str(e.value)
 
 
+def test_subfolder_may_not_leave_the_directory(sharded):
+    d, _ = sharded
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
+        ckpt.locate(d, subfolder="../ck")
+
+
 def test_index_may_name_a_subdirectory_and_a_symlink(sharded):
     """Inside the directory is fine, symlinks included (the hub cache links every file)."""
     d, index = sharded
