@@ -96,6 +96,13 @@ def test_missing_tensor(checkpoints, tmp_path, xla_devices):
     tensors = load_file(shard)
     del tensors[name]
     save_file(tensors, shard, metadata={"format": "pt"})
+    # The index still names it: the index and the shard disagree, found before any byte is read.
+    with pytest.raises(CheckpointError, match=r"puts tensor '.*down_proj.weight' in .* holds no "
+                                              r"such tensor"):
+        AutoXLAModelForCausalLM.from_pretrained(d)
+    # Gone from the index too: the model lacks a weight.
+    del index["weight_map"][name]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match=r"1 weight\(s\).*down_proj.*re-save"):
         AutoXLAModelForCausalLM.from_pretrained(d)
 
