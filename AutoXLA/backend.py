@@ -45,12 +45,60 @@ def _xla():
     return torch_xla, xr, xs
 
 
+class SPMDOrderError(RuntimeError):
+    """torch_xla handed out its XLA device before SPMD was on; this process cannot run SPMD."""
+
+
+_SPMD_ORDER_FIX = (
+    "torch_xla cannot switch such a process to SPMD: its tensors stay on one device and the "
+    "first sharded program crashes with SIGSEGV (pytorch/xla#9735). To fix it, start SPMD before "
+    "the first torch_xla.device() / xm.xla_device() / XLA tensor / xm.set_rng_state(): load the "
+    "model first, or call AutoXLA.backend.device() (it returns the device to use) or "
+    "torch_xla.runtime.use_spmd() at the top of the script, or set XLA_USE_SPMD=1 in the "
+    "environment before starting Python. Then restart the process")
+
+
 def ensure_spmd() -> None:
-    """Turn on SPMD once, before any device is touched (torch_xla segfaults otherwise, #9735)."""
-    _, xr, _ = _xla()
+    """Turn on SPMD once, before any device is touched (torch_xla segfaults otherwise, #9735).
+
+    Raises SPMDOrderError, before anything is placed on a device, when it is already too late:
+    torch_xla fixes which device "xla" means the first time it hands out a device (
+    torch_xla.device(), an XLA tensor, xm.set_rng_state, ...), and use_spmd() after that leaves
+    new tensors on the physical device, so the first SPMD program segfaults. Asking for the
+    device count or the device type does not fix it and stays harmless.
+    """
+    torch_xla, xr, _ = _xla()
     if not xr.is_spmd():
+        if torch_xla._XLAC._xla_get_spmd_config_is_locked():
+            # use_spmd() would only warn and go on to the crash; it would also set XLA_USE_SPMD,
+            # so a second call would no longer see this.
+            raise SPMDOrderError(
+                "torch_xla's XLA device was already in use without SPMD before AutoXLA needed "
+                "it (torch_xla.device(), xm.xla_device(), an XLA tensor or xm.set_rng_state() "
+                "came first). " + _SPMD_ORDER_FIX)
         xr.use_spmd()
+    _check_spmd_device()
     _start_autograd_on_xla()
+
+
+@functools.cache   # succeeds once per process; the mapping it checks never changes afterwards
+def _check_spmd_device() -> None:
+    """SPMD is on: check that new XLA tensors really land on the SPMD virtual device.
+
+    They do not when SPMD was turned on (by torch_xla.runtime.use_spmd() or XLA_USE_SPMD set
+    in os.environ) only after torch_xla had handed out its device.
+    """
+    torch_xla, _, _ = _xla()
+    real_devices = getattr(torch_xla._XLAC, "_xla_real_devices", None)
+    if real_devices is None:    # pragma: no cover - older or newer torch_xla without it
+        return
+    real = real_devices([str(torch_xla.device())])[0]
+    if not real.startswith("SPMD:"):
+        raise SPMDOrderError(
+            f"SPMD is on but torch_xla's XLA device is the physical device {real}, not the SPMD "
+            "virtual device: torch_xla.device() (or an XLA tensor, or xm.set_rng_state()) came "
+            "before SPMD was turned on (torch_xla.runtime.use_spmd() or XLA_USE_SPMD=1 came "
+            "too late). " + _SPMD_ORDER_FIX)
 
 
 @functools.cache   # once per process (SPMD may already be on from the environment)
