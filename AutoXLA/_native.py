@@ -1,19 +1,23 @@
 """The only module that talks to AutoXLA's C core (csrc/, built as `_axl_core*.so` here).
 
 Python owns memory, C only computes: every function below checks its tensors (device,
-layout, dtype, contiguity, shape, alignment, overlap) and allocates outputs before it passes
-a pointer, and keeps the tensors referenced for the whole call, so no argument can crash
-the process. The library is loaded with ctypes at first use, not at import; a missing or
+layout, dtype, contiguity, shape, alignment, overlap, that the storage holds every element,
+that output memory is writable: see _check_storage and _check_host_memory), bounds what it
+allocates per call (_MAX_BLOCKS), reads regular files only, and allocates outputs before
+it passes a pointer, and keeps the tensors referenced for the whole call, so no argument
+can crash or hang the process. The library is loaded with ctypes at first use, not at import; a missing or
 stale build raises NativeLibraryError, and a non-zero C status raises NativeError.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import importlib.machinery
 import math
 import operator
 import os
+import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -72,6 +76,13 @@ _CPU_FEATURE_BITS = {
 # AXL_MAX_NDIM: most dims axl_scatter_shards / axl_read_shards take.
 _MAX_NDIM = 8
 
+# Most blocks one scatter_shards / read_shards call cuts: a block per device of a mesh, and
+# the largest meshes (a TPU v5p pod: 8960 chips) stay well below 2**16. Each block is a
+# Python tensor (about 0.5 KB and a microsecond or two) plus 8 bytes in C, so 2**16 of them
+# return in well under a second; without a bound, an empty tensor of shape (0, 10**12)
+# "divides" into 10**12 empty blocks and the call never returns.
+_MAX_BLOCKS = 2**16
+
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 _REBUILD = "rebuild it with `pip install -e .` from the AutoXLA source tree"
@@ -84,14 +95,19 @@ class NativeLibraryError(ImportError):
 class NativeError(RuntimeError):
     """A C core function returned a non-zero status; `code` is the axl_status value.
 
-    `row` is the offending row of the weight when quantize() met NaN or Inf (code 7), else
-    None.
+    `row` is the offending row of the weight when quantize() refused one (code 7), else
+    None; `reason` then says why: "non_finite" (the row holds NaN or Inf) or
+    "range_overflow" (finite values, but an asymmetric block's max - min overflows
+    float32), else None. The message says the same, with the values and the fix.
     """
 
-    def __init__(self, code: int, message: str, row: int | None = None):
+    def __init__(
+        self, code: int, message: str, row: int | None = None, reason: str | None = None
+    ):
         super().__init__(message)
         self.code = code
         self.row = row
+        self.reason = reason
 
 
 _lib: ctypes.CDLL | None = None
@@ -226,10 +242,59 @@ def _dtype_names(dtypes=_CONVERT_DTYPES) -> str:
     return ", ".join(str(d) for d in dtypes)
 
 
-def _check_cpu_tensor(name: str, t: object, dtypes=_CONVERT_DTYPES, fix: str = "") -> torch.Tensor:
-    """A dense, contiguous, aligned CPU tensor of one of `dtypes`; `fix` ends the dtype error."""
+def _plain_tensor(name: str, t: object) -> torch.Tensor:
+    """t as a plain torch.Tensor over the same memory, so that no Python override of a
+    subclass (a data_ptr() or shape that lies, a __torch_function__) decides what pointer
+    and size reach C. Tensors whose data lives behind __torch_dispatch__ (FakeTensor,
+    DTensor, other wrapper subclasses) have no host memory of their own: refused."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if type(t) is torch.Tensor:
+        return t
+    if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+        raise ValueError(
+            f"{name} is a {type(t).__name__}, a tensor subclass that handles its own data "
+            f"(__torch_dispatch__) and has no host memory the C core could read or write; "
+            f"pass a plain CPU torch.Tensor holding the values"
+        )
+    with torch._C.DisableTorchFunctionSubclass():  # the C++ view, no subclass Python code
+        return torch.Tensor.as_subclass(t, torch.Tensor)
+
+
+def _check_storage(name: str, t: torch.Tensor) -> None:
+    """The bytes the C core touches, [data_ptr, data_ptr + numel * itemsize) of a contiguous
+    t, lie inside t's storage. A view can outlive its storage's size (storage resize_()
+    after the view was made, set_/as_strided over a non-resizable storage): C would then
+    read or write past the allocation and crash the process."""
+    numel = t.numel()
+    if numel == 0:
+        return
+    item = t.element_size()
+    storage = t.untyped_storage()
+    have = storage.nbytes()
+    need = (t.storage_offset() + numel) * item
+    base = storage.data_ptr()
+    if t.data_ptr() == 0 or base == 0 or need > have:
+        raise ValueError(
+            f"{name} (shape {tuple(t.shape)}, {t.dtype}, storage offset {t.storage_offset()}) "
+            f"needs {need} bytes of storage but its storage has {have} bytes (it was shrunk "
+            f"with resize_() after this view was made, or the view was built past its end "
+            f"with set_ / as_strided); pass a tensor whose storage holds all its elements, "
+            f"e.g. {name}.clone() taken while the storage was whole, or a fresh torch.empty("
+            f"{tuple(t.shape)}, dtype={t.dtype})"
+        )
+    if t.data_ptr() != base + t.storage_offset() * item:
+        raise ValueError(  # cannot happen for a real CPU tensor; refuse rather than guess
+            f"{name}'s data pointer {t.data_ptr():#x} is not at its storage offset "
+            f"{t.storage_offset()} in its storage at {base:#x}; pass {name}.clone()"
+        )
+
+
+def _check_cpu_tensor(name: str, t: object, dtypes=_CONVERT_DTYPES, fix: str = "") -> torch.Tensor:
+    """A dense, contiguous, aligned CPU tensor of one of `dtypes`, whose storage holds every
+    element; `fix` ends the dtype error. Returns it as a plain torch.Tensor (_plain_tensor):
+    callers pass that one's pointers to C."""
+    t = _plain_tensor(name, t)
     if t.device.type != "cpu":
         raise ValueError(
             f"{name} is on device {t.device}; the C core reads host memory: pass a CPU "
@@ -253,6 +318,7 @@ def _check_cpu_tensor(name: str, t: object, dtypes=_CONVERT_DTYPES, fix: str = "
             f"{name}'s data at {t.data_ptr():#x} is not aligned to its {t.element_size()}-byte "
             f"elements (a view at an odd byte offset?); call .clone() first"
         )
+    _check_storage(name, t)
     return t
 
 
@@ -264,6 +330,92 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
     return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
+
+
+# Memory the C core may touch. A tensor can sit over memory the process may not write (a
+# read-only mmap, np.memmap(mode="r") through torch.from_numpy, frombuffer of a PROT_READ
+# mmap) or not even read (PROT_NONE); C would fault and kill the interpreter. The kernel's
+# own list of this process's mappings, /proc/self/maps, says which: reading it costs about
+# a millisecond whatever the tensor's size, changes nothing, and needs no signal handler;
+# a syscall probe (making the kernel write into the range to see EFAULT) would instead cost
+# a pass over every page and overwrite the output first. Mappings change (mmap / munmap at
+# any time), so it is read once per call, and only when there is something to check:
+# every user-supplied output, and inputs over memory torch did not allocate itself (a
+# non-resizable storage: from_numpy, frombuffer, from_file, mmap loads). Tensors torch
+# allocated (resizable storages) are ordinary heap memory, readable and writable. Without
+# /proc (not Linux) nothing can be checked and the call proceeds as before. Not caught: a
+# Python bytes object under torch.frombuffer is writable heap memory (writing it breaks
+# the bytes object's immutability but cannot crash), and a shared file mapping whose file
+# was truncated since (SIGBUS: the pages are mapped, the file is not there).
+_PROC_MAPS = "/proc/self/maps"
+
+
+def _read_mappings() -> list[tuple[int, int, bytes]] | None:
+    """(start, end, perms) of every mapping of this process, by address; None without /proc."""
+    try:
+        with open(_PROC_MAPS, "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    maps = []
+    for line in text.splitlines():
+        addr, perms = line.split(b" ", 2)[:2]
+        lo, _, hi = addr.partition(b"-")
+        maps.append((int(lo, 16), int(hi, 16), perms))
+    return maps
+
+
+def _range_problem(maps, start: int, end: int, write: bool) -> str | None:
+    """Why [start, end) cannot be read (or written), per maps; None if it can."""
+    i = bisect.bisect_right(maps, (start, _INT64_MAX * 4)) - 1
+    pos = start
+    while pos < end:
+        if i < 0 or i >= len(maps) or not maps[i][0] <= pos < maps[i][1]:
+            return f"byte {pos:#x} is not mapped memory"
+        perms = maps[i][2].decode(errors="replace")
+        if perms[:1] != "r" or (write and perms[1:2] != "w"):
+            return (
+                f"the mapping [{maps[i][0]:#x}, {maps[i][1]:#x}) holding it is "
+                f"{'read-only' if perms[:1] == 'r' else 'not readable'} (permissions {perms})"
+            )
+        pos = maps[i][1]
+        i += 1
+    return None
+
+
+def _check_host_memory(
+    outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]
+) -> None:
+    """Every output's bytes are writable and every foreign input's bytes readable (see above);
+    raises ValueError naming the first tensor that is not."""
+    todo = [(n, t, True) for n, t in outputs.items() if t is not None and t.numel()]
+    todo += [
+        (n, t, False) for n, t in inputs.items()
+        if t is not None and t.numel() and not t.untyped_storage().resizable()
+    ]
+    if not todo:
+        return
+    maps = _read_mappings()
+    if maps is None:
+        return
+    for name, t, write in todo:
+        start, end = _byte_range(t)
+        problem = _range_problem(maps, start, end, write)
+        if problem is None:
+            continue
+        if write:
+            raise ValueError(
+                f"{name} (shape {tuple(t.shape)}, {t.dtype}, bytes [{start:#x}, {end:#x})) is "
+                f"over memory this process cannot write: {problem} (a read-only mmap, "
+                f"np.memmap(mode='r'), torch.frombuffer of a read-only buffer?); writing it "
+                f"would crash the process: pass a writable tensor, e.g. torch.empty("
+                f"{tuple(t.shape)}, dtype={t.dtype}), or leave it out to get a new one"
+            )
+        raise ValueError(
+            f"{name} (shape {tuple(t.shape)}, {t.dtype}, bytes [{start:#x}, {end:#x})) is over "
+            f"memory this process cannot read: {problem}; reading it would crash the process: "
+            f"pass a tensor over readable memory (e.g. a copy made while it was readable)"
+        )
 
 
 def _check_nthreads(nthreads: object) -> int:
@@ -306,7 +458,7 @@ def convert(
     all CPUs, n > 0 = at most n threads (small tensors use one). isa: "auto" or one of
     available_isas(). Not differentiable: the result never requires grad.
     """
-    _check_cpu_tensor("src", src)
+    src = _check_cpu_tensor("src", src)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     if dtype not in _CONVERT_DTYPES:
@@ -315,10 +467,12 @@ def convert(
     isa_code = _check_isa(isa)
     lib = _get_lib()  # before allocating: a missing library should fail first
 
+    result = out  # the caller's object is returned; `out` below is its plain tensor
     if out is None:
         out = torch.empty(src.shape, dtype=dtype)
+        result = None
     else:
-        _check_cpu_tensor("out", out)
+        out = _check_cpu_tensor("out", out)
         if out.dtype != dtype:
             raise ValueError(f"out has dtype {out.dtype}, expected {dtype}; pass out of that dtype")
         if out.shape != src.shape:
@@ -334,6 +488,7 @@ def convert(
         (s0, s1), (o0, o1) = _byte_range(src), _byte_range(out)
         if s0 < o1 and o0 < s1:
             raise ValueError("out shares memory with src; pass a separate output tensor")
+    _check_host_memory({"out": None if result is None else out}, {"src": src})
 
     # src and out stay referenced by this frame until the call returns.
     status = lib.axl_convert(
@@ -341,7 +496,7 @@ def convert(
         src.numel(), threads, isa_code,
     )
     _check_status(status, f"convert {src.dtype} -> {dtype} (isa={isa!r}, nthreads={threads})")
-    return out
+    return out if result is None else result
 
 
 # ---- shard slicing -----------------------------------------------------------------------
@@ -402,10 +557,15 @@ def _check_grid(shape: tuple[int, ...], grid: object) -> tuple[int, ...]:
                 f"grid[{d}] = {parts} does not divide dim {d} of size {size} (shape {shape}); "
                 f"every dim must split into equal blocks: use a divisor of {size}"
             )
-    # Every dim divides: for a non-empty tensor prod(grid) <= numel; an empty one may have
-    # a large grid of empty blocks, but not one whose count overflows the C core.
-    if math.prod(grid) > _INT64_MAX // 4:
-        raise ValueError(f"grid {grid} makes {math.prod(grid)} blocks; that is too many")
+    # Every block is a Python tensor made here (and a C pointer): the count bounds this
+    # call's time and memory, whatever the tensor's size (an empty one divides by any grid).
+    blocks = math.prod(grid)
+    if blocks > _MAX_BLOCKS:
+        raise ValueError(
+            f"grid {grid} makes {blocks} blocks, more than the {_MAX_BLOCKS} allowed (no "
+            f"device mesh has that many devices); pass one block count per dim that matches "
+            f"your mesh's axes, e.g. (1, 8) for 8 devices on the last dim"
+        )
     return grid
 
 
@@ -444,12 +604,13 @@ def scatter_shards(
     = not split). dtype: float32, bfloat16 or float16 for a float src. nthreads, isa: as
     for convert(). Not differentiable: the blocks never require grad.
     """
-    _check_cpu_tensor("src", src, _SHARD_DTYPES)
+    src = _check_cpu_tensor("src", src, _SHARD_DTYPES)
     shape = tuple(src.shape)
     grid = _check_grid(shape, grid)
     _check_shard_dtypes("src", src.dtype, dtype)
     threads = _check_nthreads(nthreads)
     isa_code = _check_isa(isa)
+    _check_host_memory({}, {"src": src})
     lib = _get_lib()  # before allocating: a missing library should fail first
 
     blocks, ptrs = _alloc_blocks(shape, grid, dtype)
@@ -515,14 +676,27 @@ def read_shards(
             f"would end at byte {end}; check the shape and offset"
         )
     try:
-        file_size = os.stat(path_str).st_size
+        st = os.stat(path_str)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{path_str}: no such file; it should hold a tensor of shape {shape} "
             f"({src_dtype}) at bytes [{offset}, {end})"
         ) from None
-    if not os.path.isfile(path_str):
-        raise ValueError(f"{path_str} is not a regular file; pass the checkpoint file's path")
+    # Only a regular file: opening a FIFO blocks until a writer comes (forever), a device
+    # may never end. The C core checks again on the descriptor it opens (O_NONBLOCK, fstat),
+    # so a file swapped for a FIFO after this stat cannot hang the call either.
+    if not stat.S_ISREG(st.st_mode):
+        kind = (
+            "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
+            "a directory" if stat.S_ISDIR(st.st_mode) else
+            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+            "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file"
+        )
+        raise ValueError(
+            f"{path_str} is {kind}, not a regular file; read_shards reads tensors from files "
+            f"only: pass the checkpoint file's path"
+        )
+    file_size = st.st_size
     if file_size < end:
         raise ValueError(
             f"{path_str} is {file_size} bytes, but the tensor of shape {shape} ({src_dtype}) "
@@ -642,7 +816,8 @@ def _check_scale_dtype(scale_dtype: object) -> torch.dtype:
 
 
 def _check_out_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int, ...]):
-    _check_cpu_tensor(name, t, {dtype: None}, f": pass torch.empty({shape}, dtype={dtype})")
+    """t checked as an output of dtype and shape; returned as its plain tensor."""
+    t = _check_cpu_tensor(name, t, {dtype: None}, f": pass torch.empty({shape}, dtype={dtype})")
     if tuple(t.shape) != shape:
         raise ValueError(
             f"{name} has shape {tuple(t.shape)}, expected {shape}; pass "
@@ -668,18 +843,53 @@ def _check_disjoint(named: dict[str, torch.Tensor | None]) -> None:
                 )
 
 
-def _non_finite_message(w: torch.Tensor, row: int, symmetric: bool) -> str:
-    values = w[row]
-    if not bool(torch.isfinite(values).all()):
-        col = int((~torch.isfinite(values)).nonzero()[0])
+_SKIP_FIX = (
+    "or keep this layer unquantized (add its name to QuantizationConfig(exclude_layers=[...]))"
+)
+
+
+def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str | None]:
+    """What axl_quantize's AXL_ERR_NON_FINITE for `row` means, and the reason (NativeError).
+
+    The C core returns it for a row holding NaN or Inf, and (asymmetric only) for a finite
+    row with a block whose hi - lo (hi = max(max, 0), lo = min(min, 0)) overflows float32:
+    e.g. 3e38 and -3e38 in one block. Symmetric scales (max |x| / qmax) never overflow.
+    """
+    rows, cols = w.shape
+    if not 0 <= row < rows or cols == 0:  # not a row the C core can name; say what we know
+        return (
+            f"the C core refused row {row} (NaN or Inf, or an asymmetric block whose range "
+            f"overflows float32); check the weight with torch.isfinite", None,
+        )
+    values = w[row].float()  # exact for every dtype quantize takes
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        col = int((~finite).nonzero()[0])
         return (
             f"row {row} of the weight contains NaN or Inf (first at column {col}: "
             f"{float(values[col])}); find where it comes from, or drop or clean that row "
-            f"(e.g. torch.nan_to_num) before quantizing"
+            f"(e.g. torch.nan_to_num) before quantizing, {_SKIP_FIX}", "non_finite",
         )
-    return (  # asymmetric: max - min of a block does not fit in float32
-        f"row {row} of the weight has an asymmetric block whose range (max - min) overflows "
-        f"float32 (values near +-3.4e38); use symmetric=True or rescale the weight"
+    blocks = values.view(-1, block)
+    lo = blocks.min(dim=1).values.clamp(max=0)
+    hi = blocks.max(dim=1).values.clamp(min=0)
+    over = ~torch.isfinite(hi - lo)  # float32 arithmetic, as in the C core
+    if not bool(over.any()):
+        return (
+            f"the C core refused row {row}, but it is finite and no block's range overflows "
+            f"float32 here; please report this with the weight", None,
+        )
+    g = int(over.nonzero()[0])
+    part = values[g * block:(g + 1) * block]
+    c_lo, c_hi = g * block + int(part.argmin()), g * block + int(part.argmax())
+    return (
+        f"row {row} of the weight is finite, but its asymmetric block {g} (columns "
+        f"{g * block} to {(g + 1) * block - 1}) spans {float(values[c_lo]):.6g} (column "
+        f"{c_lo}) to {float(values[c_hi]):.6g} (column {c_hi}): the range max - min = "
+        f"{float(values[c_hi]) - float(values[c_lo]):.6g} overflows float32 arithmetic (largest "
+        f"float32 {torch.finfo(torch.float32).max:.6g}), so no scale exists; scale the "
+        f"weights down (e.g. by 2, folding the factor into the next layer), quantize with "
+        f"symmetric=True (max |x| / qmax does not overflow), {_SKIP_FIX}", "range_overflow",
     )
 
 
@@ -716,9 +926,10 @@ def quantize(
     all zeros with scale 0. Since the stored scale is never below the float32 one, every
     element of a kept block is within half a step (plus float32 rounding) of its
     dequantized value, with either scale dtype.
-    Raises NativeError (with .row) if a row holds NaN or Inf.
+    Raises NativeError (with .row) if a row holds NaN or Inf, or (asymmetric) a block
+    whose range max - min overflows float32 arithmetic (finite values near +-3.4e38).
     """
-    _check_cpu_tensor(
+    w = _check_cpu_tensor(
         "w", w, _CONVERT_DTYPES,
         ": convert it first, e.g. w.to(torch.bfloat16) (or float32 / float16)",
     )
@@ -773,6 +984,11 @@ def quantize(
             "w": w, "out.q": q, "out.scale": scale, "out.zero_point": zero_point,
             "out.max_err": max_err, "out.sqnr_db": sqnr_db,
         })
+    outputs = {} if out is None else {
+        "out.q": q, "out.scale": scale, "out.zero_point": zero_point, "out.max_err": max_err,
+        "out.sqnr_db": sqnr_db,
+    }
+    _check_host_memory(outputs, {"w": w})
 
     def ptr(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
@@ -791,12 +1007,13 @@ def quantize(
     )
     if status == _AXL_ERR_NON_FINITE:
         row = bad_row.value
-        raise NativeError(status, f"{what}: {_non_finite_message(w, row, symmetric)}", row=row)
+        message, reason = _non_finite_message(w, row, block)
+        raise NativeError(status, f"{what}: {message}", row=row, reason=reason)
     _check_status(status, what)
     if stats and cols == 0:  # the C core writes nothing for an empty matrix
         max_err.zero_()
         sqnr_db.fill_(math.inf)
-    return Quantized(q, scale, zero_point, max_err, sqnr_db)
+    return Quantized(q, scale, zero_point, max_err, sqnr_db) if out is None else out
 
 
 def dequantize(
@@ -822,7 +1039,7 @@ def dequantize(
     (rows, cols) tensor of dtype to fill; returned. nthreads, isa: as for convert().
     """
     bits = _check_bits(bits)
-    _check_cpu_tensor(
+    q = _check_cpu_tensor(
         "q", q, {_Q_DTYPES[bits]: None},
         f" for bits={bits}: pass quantize()'s q unchanged",
     )
@@ -838,14 +1055,14 @@ def dequantize(
         )
     block = _check_block(block_size, cols)
     groups = cols // block if cols else 0
-    _check_cpu_tensor("scale", scale, _SCALE_DTYPES, ": pass quantize()'s scale")
+    scale = _check_cpu_tensor("scale", scale, _SCALE_DTYPES, ": pass quantize()'s scale")
     if tuple(scale.shape) != (rows, groups):
         raise ValueError(
             f"scale has shape {tuple(scale.shape)}, expected {(rows, groups)} (one per block "
             f"of {block}); check block_size"
         )
     if zero_point is not None:
-        _check_cpu_tensor(
+        zero_point = _check_cpu_tensor(
             "zero_point", zero_point, {torch.int8: None},
             ": pass quantize()'s zero_point (None when symmetric)",
         )
@@ -858,13 +1075,18 @@ def dequantize(
     isa_code = _check_isa(isa)
     lib = _get_lib()  # before allocating: a missing library should fail first
 
+    result = out  # the caller's object is returned; `out` below is its plain tensor
     if out is None:
         out = torch.empty((rows, cols), dtype=dtype)
     else:
-        _check_out_tensor("out", out, dtype, (rows, cols))
+        out = _check_out_tensor("out", out, dtype, (rows, cols))
         for name, t in (("q", q), ("scale", scale), ("zero_point", zero_point)):
             if t is not None and _shares_memory(out, t):
                 raise ValueError(f"out shares memory with {name}; pass a separate output tensor")
+    _check_host_memory(
+        {"out": None if result is None else out},
+        {"q": q, "scale": scale, "zero_point": zero_point},
+    )
 
     # q, scale, zero_point and out stay referenced by this frame until the call returns.
     status = lib.axl_dequantize(
@@ -877,4 +1099,4 @@ def dequantize(
         f"dequantize int{bits} ({rows}, {cols}) block {block}, {scale.dtype} scales -> {dtype} "
         f"(isa={isa!r}, nthreads={threads})",
     )
-    return out
+    return out if result is None else result
