@@ -413,7 +413,7 @@ def test_a_killed_save_leaves_old_new_or_refused_and_the_next_save_cleans_up(bef
     new, newer = Net(20), Net(30)
     shutil.copytree(template, tmp_path / "count", symlinks=True)
     total = int(_child(0, tmp_path / "count", SIZES[after]).stdout.split()[-1])
-    points = sorted({1, 2, 3} | {total * i // 7 for i in range(1, 7)} | {total - 1, total})
+    points = sorted({1, 2, 3} | {total * i // 5 for i in range(1, 5)} | {total - 1, total})
     outcomes = []
     for k in points:
         d = tmp_path / f"k{k}"
@@ -439,6 +439,44 @@ def test_a_killed_save_leaves_old_new_or_refused_and_the_next_save_cleans_up(bef
         assert_clean(d)
         shutil.rmtree(d)
     assert {"old", "refused", "new"} <= set(outcomes), list(zip(points, outcomes))
+
+
+def test_a_save_killed_while_settling_an_interrupted_one_is_settled_by_the_next(tmp_path,
+                                                                               monkeypatch):
+    from AutoXLA.modeling.empty import load_config
+
+    template, old = _template(tmp_path, "three")
+    # An interrupted commit: config.json moved aside, the rollback could not move it back.
+    with monkeypatch.context() as m:
+        Injector(m, "replace", 1, persistent=True)
+        with pytest.raises(OSError, match="injected"):
+            saving.save_pretrained(Net(20), template, max_shard_size=SIZES["six"])
+    assert read_checkpoint(template) is None
+    assert [n for n in os.listdir(template) if n.startswith(".autoxla-commit-")]
+    newer = Net(30)
+    outcomes = []
+    shutil.copytree(template, tmp_path / "count", symlinks=True)
+    total = int(_child(0, tmp_path / "count", SIZES["single"]).stdout.split()[-1])
+    # Inside the settling of the interrupted save (its first ~20 calls), then in the new save.
+    for k in [1, 10, 15, 18, 22, total // 2]:
+        d = tmp_path / f"k{k}"
+        shutil.copytree(template, d, symlinks=True)
+        assert _child(k, d, SIZES["single"]).returncode != 0
+        assert_user_files_intact(d)
+        loaded = read_checkpoint(d)
+        if loaded is None:
+            with pytest.raises((OSError, ValueError), match="config.json"):
+                load_config(d)
+            outcomes.append("refused")
+        else:   # settled back to the previous checkpoint before the kill, never a mixture
+            assert same(loaded, old), f"killed at #{k}: a mixture loads"
+            outcomes.append("old")
+        saving.save_pretrained(newer, d, max_shard_size=SIZES["six"])
+        assert same(read_checkpoint(d), newer)
+        assert_user_files_intact(d)
+        assert_clean(d)
+        shutil.rmtree(d)
+    assert {"refused", "old"} <= set(outcomes), outcomes
 
 
 # --- journals ---------------------------------------------------------------------------------
