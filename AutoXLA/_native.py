@@ -249,6 +249,20 @@ def _plain_tensor(name: str, t: object) -> torch.Tensor:
     DTensor, other wrapper subclasses) have no host memory of their own: refused."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise ValueError(
+            f"{name} is a nested tensor (rows of different lengths, no single dense buffer); "
+            f"pass a dense tensor, e.g. each of {name}.unbind() in turn"
+        )
+    try:  # torch.vmap / torch.func wrappers are plain Tensors without storage
+        if t.layout == torch.strided:  # other layouts: refused by name below
+            t.untyped_storage()
+    except (RuntimeError, NotImplementedError) as e:
+        raise ValueError(
+            f"{name} has no storage of its own ({e}); it is a wrapper such as torch.vmap's or "
+            f"torch.func.grad's, which the C core cannot read: call this function outside the "
+            f"transform, on a plain CPU tensor"
+        ) from None
     if type(t) is torch.Tensor:
         return t
     if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
@@ -526,6 +540,15 @@ def _check_ints(name: str, values: object, minimum: int) -> tuple[int, ...]:
     """A tuple of ints >= minimum (and < 2**63), from any sequence of ints."""
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, torch.Size)):
         raise TypeError(f"{name} must be a tuple of ints, got {type(values).__name__}")
+    try:  # before iterating: a range(10**18) is a Sequence too, and would never end
+        n = len(values)
+    except OverflowError:
+        n = _INT64_MAX
+    if n > _MAX_NDIM:
+        raise ValueError(
+            f"{name} has {n if n < _INT64_MAX else 'too many'} entries; tensors here have at "
+            f"most {_MAX_NDIM} dims: pass one int per dim"
+        )
     out = []
     for d, v in enumerate(values):
         if isinstance(v, bool) or not hasattr(type(v), "__index__"):
@@ -888,8 +911,8 @@ def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str
         f"{c_lo}) to {float(values[c_hi]):.6g} (column {c_hi}): the range max - min = "
         f"{float(values[c_hi]) - float(values[c_lo]):.6g} overflows float32 arithmetic (largest "
         f"float32 {torch.finfo(torch.float32).max:.6g}), so no scale exists; scale the "
-        f"weights down (e.g. by 2, folding the factor into the next layer), quantize with "
-        f"symmetric=True (max |x| / qmax does not overflow), {_SKIP_FIX}", "range_overflow",
+        f"weights down so that max - min stays below that, quantize with symmetric=True "
+        f"(max |x| / qmax does not overflow), {_SKIP_FIX}", "range_overflow",
     )
 
 

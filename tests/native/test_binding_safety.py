@@ -191,6 +191,15 @@ case("fake_scatter", lambda: _native.scatter_shards(fake.view(10, 100), (2, 1), 
 case("fake_dequantize_q", lambda: _native.dequantize(
     fake_q, torch.ones(4, 1), None, bits=8, cols=64, block_size=-1))
 case("meta_src", lambda: _native.convert(torch.empty(1000, device="meta"), torch.bfloat16))
+nested = torch.nested.nested_tensor([torch.randn(3), torch.randn(5)])
+case("nested_src", lambda: _native.convert(nested, torch.bfloat16))
+case("jagged_w", lambda: _native.quantize(
+    torch.nested.nested_tensor([torch.randn(3, 64), torch.randn(5, 64)], layout=torch.jagged),
+    bits=8, symmetric=True, block_size=-1))
+case("vmap_src", lambda: torch.vmap(lambda t: _native.convert(t, torch.bfloat16))(torch.randn(3, 4)))
+case("grad_src", lambda: torch.func.grad(
+    lambda t: _native.convert(t, torch.float32).sum())(torch.randn(4)))
+case("sparse_src", lambda: _native.convert(torch.randn(4).to_sparse(), torch.bfloat16))
 case("meta_out", lambda: _native.convert(
     torch.zeros(10), torch.bfloat16, out=torch.empty(10, dtype=torch.bfloat16, device="meta")))
 print("survived", flush=True)
@@ -207,6 +216,12 @@ def test_tensor_subclasses_and_meta_tensors():
         check(cases, name, "ValueError", f"{arg} is a FakeTensor", "__torch_dispatch__",
               "plain CPU torch.Tensor")
     check(cases, "meta_src", "ValueError", "src is on device meta", ".cpu()")
+    check(cases, "nested_src", "ValueError", "src is a nested tensor", ".unbind()")
+    check(cases, "jagged_w", "ValueError", "w is a nested tensor", ".unbind()")
+    check(cases, "vmap_src", "ValueError", "src has no storage of its own", "BatchedTensorImpl",
+          "outside the transform")
+    check(cases, "grad_src", "ValueError", "src has no storage of its own", "outside the transform")
+    check(cases, "sparse_src", "ValueError", "src has layout torch.sparse_coo", ".to_dense()")
     check(cases, "meta_out", "ValueError", "out is on device meta", ".cpu()")
 
 
@@ -308,6 +323,12 @@ path = os.path.join(d, "empty.bin")
 open(path, "wb").close()
 case("read_empty_huge_grid", lambda: _native.read_shards(
     path, 0, torch.float32, (0, 2**50), (1, 2**50), torch.float32))
+case("read_shape_endless", lambda: _native.read_shards(
+    path, 0, torch.float32, range(10**18), (1,), torch.float32))
+case("read_shape_len_overflow", lambda: _native.read_shards(
+    path, 0, torch.float32, range(10**20), (1,), torch.float32))
+case("scatter_grid_endless", lambda: _native.scatter_shards(
+    torch.zeros(4, 4), range(1, 10**18), torch.float32))
 def limit():
     t0 = time.monotonic()
     blocks = _native.scatter_shards(torch.empty(0, 2**16), (1, 2**16), torch.float32)
@@ -331,6 +352,9 @@ def test_block_count_is_bounded(tmp_path):
     check(cases, "scatter_empty_enormous_grid", "ValueError", f"{2**60} blocks", "65536")
     check(cases, "scatter_tiny_blocks", "ValueError", "grid (131072,)", "131072 blocks")
     check(cases, "read_empty_huge_grid", "ValueError", f"{2**50} blocks", "65536 allowed")
+    check(cases, "read_shape_endless", "ValueError", f"shape has {10**18} entries", "at most 8 dims")
+    check(cases, "read_shape_len_overflow", "ValueError", "shape has too many entries")
+    check(cases, "scatter_grid_endless", "ValueError", "grid has", "at most 8 dims")
     check(cases, "scatter_at_limit", "ok")
     check(cases, "huge_nthreads", "ok")
 
