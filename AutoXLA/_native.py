@@ -102,12 +102,14 @@ class NativeError(RuntimeError):
     """
 
     def __init__(
-        self, code: int, message: str, row: int | None = None, reason: str | None = None
+        self, code: int, message: str, row: int | None = None, reason: str | None = None,
+        detail: str | None = None,
     ):
         super().__init__(message)
         self.code = code
         self.row = row
         self.reason = reason
+        self.detail = detail or message  # the message without the call's description
 
 
 _lib: ctypes.CDLL | None = None
@@ -1031,7 +1033,7 @@ def quantize(
     if status == _AXL_ERR_NON_FINITE:
         row = bad_row.value
         message, reason = _non_finite_message(w, row, block)
-        raise NativeError(status, f"{what}: {message}", row=row, reason=reason)
+        raise NativeError(status, f"{what}: {message}", row=row, reason=reason, detail=message)
     _check_status(status, what)
     if stats and cols == 0:  # the C core writes nothing for an empty matrix
         max_err.zero_()

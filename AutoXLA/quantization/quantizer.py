@@ -97,9 +97,8 @@ def quantize_tensor(w: torch.Tensor, fmt: LayerFormat, name: str = "", stats: bo
         row = getattr(e, "row", None)
         if row is None:
             raise
-        raise ValueError(f"cannot quantize {name or 'a weight'}: row {row} of its weight contains "
-                         "NaN or Inf. Fix the checkpoint, or add the layer to exclude_layers to "
-                         "keep it in full precision") from e
+        # The C engine's words: NaN/Inf, or finite values whose range overflows float32.
+        raise ValueError(f"cannot quantize {name or 'a weight'}: {e.detail}") from e
 
 
 class ModelQuantizer:

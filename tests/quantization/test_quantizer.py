@@ -133,6 +133,18 @@ def test_nan_weight_names_the_layer_row():
     model = Toy()
     with torch.no_grad():
         model.layers[1].up.weight[17, 3] = float("nan")
-    with pytest.raises(ValueError, match=r"cannot quantize layers.1.up: row 17 of its weight "
+    with pytest.raises(ValueError, match=r"cannot quantize layers.1.up: row 17 of the weight "
                                          r"contains NaN or Inf.*exclude_layers"):
         _quiet(ModelQuantizer(QuantizationConfig()).quantize_model, model)
+
+
+def test_huge_finite_weight_is_not_called_nan():
+    """Asymmetric scales need max - min, which overflows float32 for +-3e38 in one block."""
+    model = Toy()
+    with torch.no_grad():
+        model.layers[0].up.weight[5, 0] = 3e38
+        model.layers[0].up.weight[5, 1] = -3e38
+    with pytest.raises(ValueError, match=r"cannot quantize layers.0.up: row 5 of the weight is "
+                                         r"finite.*overflows float32.*symmetric=True") as e:
+        _quiet(ModelQuantizer(QuantizationConfig(symmetric=False)).quantize_model, model)
+    assert "NaN or Inf" not in str(e.value)
