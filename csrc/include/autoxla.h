@@ -21,7 +21,7 @@ extern "C" {
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
  * _native.py refuses a library whose axl_abi_version() differs from its own. */
-#define AXL_ABI_VERSION 4
+#define AXL_ABI_VERSION 5
 
 /* Threads a single call may use; larger requests are clamped to this. */
 #define AXL_MAX_THREADS 256
@@ -43,6 +43,7 @@ typedef enum axl_status {
     AXL_ERR_OVERLAP = 9,         /* input and output buffers overlap */
     AXL_ERR_IO = 10,             /* a file cannot be opened or read, or ends too early */
     AXL_ERR_BAD_FORMAT = 11,     /* quantization format: bits not 4 or 8, symmetric not 0/1 */
+    AXL_ERR_BAD_HEADER = 12,     /* invalid safetensors header; axl_st_error says what and where */
     AXL_STATUS_COUNT             /* number of codes above; not a status */
 } axl_status;
 
@@ -267,6 +268,183 @@ AXL_API int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t col
 AXL_API int axl_dequantize(const void *q, const void *scales, int scale_dtype,
                            const int8_t *zero_points, int64_t rows, int64_t cols, int bits,
                            int64_t block_size, void *out, int dst_dtype, int nthreads, int isa);
+
+/* ---- safetensors headers ---------------------------------------------------------------
+ * A .safetensors file is: an 8-byte little-endian length n, n bytes of JSON (the header),
+ * then the data section. axl_st_parse_header validates the header, strictly and in one
+ * place, before any byte of tensor data is read, and returns one record per tensor.
+ *
+ * JSON: RFC 8259 with no extensions. The header must start with '{' (no leading
+ * whitespace, as safetensors requires) and hold one object; after it only spaces, tabs,
+ * CR and LF (safetensors pads headers with spaces). Strings must be valid UTF-8 (no
+ * overlong forms, no surrogates, nothing above U+10FFFF) with control characters escaped;
+ * escapes are \" \\ \/ \b \f \n \r \t and \uXXXX, a surrogate only as a high-low pair.
+ * Containers nest at most AXL_ST_MAX_DEPTH deep (the top object is depth 1).
+ *
+ * Schema (safetensors' own rules, or stricter):
+ *   every key but "__metadata__" names a tensor, and its value is an object with
+ *     "dtype":        a string, one of the axl_st_dtype names below;
+ *     "shape":        an array of at most AXL_ST_MAX_NDIM integers >= 0;
+ *     "data_offsets": an array of exactly 2 integers, begin <= end;
+ *   other fields are ignored (any JSON value), a field given twice is an error.
+ *   "__metadata__" (at most once): an object whose values are strings or null.
+ *   Where an integer is required only 0 or [1-9][0-9]* up to INT64_MAX is taken: no sign,
+ *   fraction, exponent or leading zero.
+ *   elements = the product of shape (1 for []), computed left to right, never above
+ *   INT64_MAX; bytes = elements * bits of dtype / 8, never above INT64_MAX and whole
+ *   bytes (for the 4- and 6-bit dtypes); end - begin == bytes.
+ *   No tensor name twice (compared after decoding escapes).
+ *   Sorted by (begin, end), the tensors tile the data section [0, D) with no gap and no
+ *   overlap, and 8 + n + D == file_size.
+ *
+ * Time: the parse is linear in n; the two cross-tensor checks sort the records in place
+ * (heapsort, O(k log k) comparisons, names compared bytewise), nothing is allocated.
+ *
+ * Buffers (all caller-owned; the parser never reads header[n] or beyond and never writes
+ * past a cap). These caps always suffice for a header of n bytes:
+ *   records_cap >= n / AXL_ST_MIN_ENTRY_BYTES + 1, names_cap >= n, dims_cap >= n / 2 + 1.
+ * Or size them exactly: a call with records, names and dims all NULL (caps 0) parses and
+ * checks everything but the cross-tensor rules (duplicates, tiling, file size) and sets
+ * count, names_used and dims_used; a second call with buffers of those sizes does it all. */
+
+/* Most dims of a tensor in a safetensors header (PyTorch's own limit is 64 too). */
+#define AXL_ST_MAX_NDIM 64
+/* Deepest nesting of JSON containers accepted in a header. */
+#define AXL_ST_MAX_DEPTH 64
+/* Fewest header bytes a tensor entry takes: "":{"dtype":"U8","shape":[],"data_offsets":[0,0]} */
+#define AXL_ST_MIN_ENTRY_BYTES 48
+
+/* safetensors dtypes; the names are the header's strings. Values are part of the ABI. */
+typedef enum axl_st_dtype {
+    AXL_ST_BOOL = 0,    /* 8 bits */
+    AXL_ST_U8 = 1,
+    AXL_ST_I8 = 2,
+    AXL_ST_I16 = 3,
+    AXL_ST_U16 = 4,
+    AXL_ST_F16 = 5,
+    AXL_ST_BF16 = 6,
+    AXL_ST_I32 = 7,
+    AXL_ST_U32 = 8,
+    AXL_ST_F32 = 9,
+    AXL_ST_F64 = 10,
+    AXL_ST_I64 = 11,
+    AXL_ST_U64 = 12,
+    AXL_ST_F8_E4M3 = 13,
+    AXL_ST_F8_E5M2 = 14,
+    AXL_ST_F8_E4M3FNUZ = 15,
+    AXL_ST_F8_E5M2FNUZ = 16,
+    AXL_ST_F8_E8M0 = 17,
+    AXL_ST_F4 = 18,      /* 4 bits, two per byte */
+    AXL_ST_F6_E2M3 = 19, /* 6 bits */
+    AXL_ST_F6_E3M2 = 20, /* 6 bits */
+    AXL_ST_C64 = 21,     /* complex64, 64 bits */
+    AXL_ST_DTYPE_COUNT
+} axl_st_dtype;
+
+/* What is wrong with a header (axl_st_error.kind). Values are part of the ABI: append. */
+typedef enum axl_st_error_kind {
+    AXL_ST_OK = 0,
+    AXL_ST_ERR_EOF = 1,                /* the header ends inside a value */
+    AXL_ST_ERR_SYNTAX = 2,             /* a byte that is not valid JSON here */
+    AXL_ST_ERR_UTF8 = 3,               /* invalid UTF-8 in a string */
+    AXL_ST_ERR_CONTROL_CHAR = 4,       /* unescaped control character in a string */
+    AXL_ST_ERR_ESCAPE = 5,             /* invalid escape sequence */
+    AXL_ST_ERR_SURROGATE = 6,          /* \u escape of a lone or reversed surrogate */
+    AXL_ST_ERR_TOO_DEEP = 7,           /* containers nested deeper than AXL_ST_MAX_DEPTH */
+    AXL_ST_ERR_TRAILING_DATA = 8,      /* something other than whitespace after the object */
+    AXL_ST_ERR_NOT_OBJECT = 9,         /* the header does not start with '{' */
+    AXL_ST_ERR_ENTRY_NOT_OBJECT = 10,  /* a tensor's value is not an object */
+    AXL_ST_ERR_METADATA_NOT_OBJECT = 11, /* "__metadata__" is not an object */
+    AXL_ST_ERR_METADATA_VALUE = 12,    /* a metadata value is not a string or null */
+    AXL_ST_ERR_DUPLICATE_METADATA = 13, /* "__metadata__" twice */
+    AXL_ST_ERR_MISSING_DTYPE = 14,     /* a tensor without "dtype" */
+    AXL_ST_ERR_MISSING_SHAPE = 15,     /* a tensor without "shape" */
+    AXL_ST_ERR_MISSING_OFFSETS = 16,   /* a tensor without "data_offsets" */
+    AXL_ST_ERR_DUPLICATE_FIELD = 17,   /* "dtype", "shape" or "data_offsets" twice */
+    AXL_ST_ERR_DTYPE_NOT_STRING = 18,  /* "dtype" is not a string */
+    AXL_ST_ERR_UNKNOWN_DTYPE = 19,     /* "dtype" is no safetensors dtype */
+    AXL_ST_ERR_SHAPE_NOT_ARRAY = 20,   /* "shape" is not an array */
+    AXL_ST_ERR_TOO_MANY_DIMS = 21,     /* more than AXL_ST_MAX_NDIM dims; value = the limit */
+    AXL_ST_ERR_OFFSETS_NOT_ARRAY = 22, /* "data_offsets" is not an array */
+    AXL_ST_ERR_OFFSETS_LENGTH = 23,    /* "data_offsets" does not hold exactly 2 values */
+    AXL_ST_ERR_EXPECTED_INTEGER = 24,  /* a non-number where an integer is required */
+    AXL_ST_ERR_NOT_INTEGER = 25,       /* a number with a fraction or exponent there */
+    AXL_ST_ERR_NEGATIVE = 26,          /* a negative number (or -0) there */
+    AXL_ST_ERR_LEADING_ZERO = 27,      /* a number with a leading zero (invalid JSON) */
+    AXL_ST_ERR_INT_OVERFLOW = 28,      /* an integer above INT64_MAX */
+    AXL_ST_ERR_OFFSETS_REVERSED = 29,  /* data_offsets begin > end */
+    AXL_ST_ERR_SIZE_OVERFLOW = 30,     /* element count or byte size above INT64_MAX */
+    AXL_ST_ERR_PARTIAL_BYTE = 31,      /* a 4- or 6-bit tensor that does not fill whole bytes */
+    AXL_ST_ERR_SIZE_MISMATCH = 32,     /* end - begin != bytes of dtype * shape; value = bytes */
+    AXL_ST_ERR_DUPLICATE_NAME = 33,    /* two tensors of one name; other = the first */
+    AXL_ST_ERR_GAP = 34,               /* unused bytes before the tensor; value = where it should begin */
+    AXL_ST_ERR_OVERLAP = 35,           /* the tensor overlaps other; value = where it should begin */
+    AXL_ST_ERR_SAME_BYTES = 36,        /* the tensor has the very bytes of other */
+    AXL_ST_ERR_HEADER_BEYOND_FILE = 37, /* 8 + n > file_size */
+    AXL_ST_ERR_TRUNCATED = 38,         /* the file ends inside the tensor's bytes; value = D */
+    AXL_ST_ERR_TRAILING_BYTES = 39,    /* bytes after the last tensor's; value = D */
+    AXL_ST_ERR_CAPACITY = 40,          /* a caller buffer is too small (status AXL_ERR_BAD_SIZE) */
+    AXL_ST_ERROR_KIND_COUNT
+} axl_st_error_kind;
+
+/* Where a header went wrong. Tensors are named by index and by the byte span of their key
+ * in the header, quotes included (so a caller can decode the name even when the call kept
+ * no records); -1 when there is none. */
+typedef struct axl_st_error {
+    int64_t kind;       /* an axl_st_error_kind; AXL_ST_OK after success */
+    int64_t position;   /* byte in the header where the problem is, -1 for file-level ones */
+    int64_t tensor;     /* index of the tensor concerned in records (as left by the call:
+                         * sorted as described at axl_st_header), or the index it would have
+                         * had when found while parsing; -1 if none */
+    int64_t tensor_pos, tensor_len; /* its key's span in the header */
+    int64_t other;      /* a second tensor (duplicate, overlap), same conventions */
+    int64_t other_pos, other_len;
+    int64_t value;      /* a number for the message, as documented per kind; else 0 */
+} axl_st_error;
+
+/* One tensor of the header. */
+typedef struct axl_st_tensor {
+    int64_t name_off, name_len; /* the decoded name (UTF-8, may hold NUL) in names */
+    int64_t key_pos, key_len;   /* the key's span in the header, quotes included */
+    int64_t dtype;              /* an axl_st_dtype */
+    int64_t ndim;               /* 0..AXL_ST_MAX_NDIM */
+    int64_t dims_off;           /* shape = dims[dims_off .. dims_off + ndim) */
+    int64_t begin, end;         /* data_offsets: bytes [8 + n + begin, 8 + n + end) of the file */
+} axl_st_tensor;
+
+/* Buffers in, results out of axl_st_parse_header. On success records[0 .. count) are
+ * sorted by (begin, end) then key position, i.e. in file order. */
+typedef struct axl_st_header {
+    axl_st_tensor *records; /* in: records_cap entries, or NULL */
+    int64_t records_cap;
+    char *names;            /* in: names_cap bytes for the decoded names, or NULL */
+    int64_t names_cap;
+    int64_t *dims;          /* in: dims_cap entries for all tensors' shapes, or NULL */
+    int64_t dims_cap;
+    int64_t count;          /* out: tensors */
+    int64_t names_used;     /* out: bytes of names used */
+    int64_t dims_used;      /* out: entries of dims used */
+    int64_t data_bytes;     /* out: D, the size of the data section (full mode only) */
+    axl_st_error error;     /* out: AXL_ST_OK, or what went wrong */
+} axl_st_header;
+
+/* Validates the n bytes of header (those after the 8-byte length) of a file of file_size
+ * bytes, against every rule above. AXL_OK; AXL_ERR_BAD_HEADER with out->error set;
+ * AXL_ERR_NULL_POINTER (out NULL, header NULL with n > 0, or only some buffers given);
+ * AXL_ERR_BAD_SIZE for n < 0, file_size < 0 or a negative cap, and, with error.kind
+ * AXL_ST_ERR_CAPACITY, for a buffer found too small. The outputs hold partial results
+ * after an error. */
+AXL_API int axl_st_parse_header(const uint8_t *header, int64_t n, int64_t file_size,
+                                axl_st_header *out);
+
+/* Short English text of an axl_st_error_kind; never NULL ("unknown error kind" for others). */
+AXL_API const char *axl_st_error_text(int kind);
+
+/* The header string of an axl_st_dtype ("F32", ...); NULL for an unknown value. */
+AXL_API const char *axl_st_dtype_name(int dtype);
+
+/* Bits per element of an axl_st_dtype (4, 6, 8, 16, 32 or 64); 0 for an unknown value. */
+AXL_API int axl_st_dtype_bits(int dtype);
 
 #ifdef __cplusplus
 }
