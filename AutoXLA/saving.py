@@ -21,9 +21,9 @@ instead (the index says which files are the checkpoint).
 
 The journal. Before it creates anything a save writes ``.autoxla-save-<token>.json`` (created
 exclusively, fsync'ed, locked with flock while the save runs) listing every name it will create,
-all carrying its random token: the temporaries ``.<name>.tmp-<token>``, the backups of the files it
-replaces or removes ``.<name>.autoxla-old-<token>`` (config.json's is ``config.json.autoxla-previous``
-when that name is free), and the final names. Then:
+all carrying its random token: the temporaries ``.<name>.tmp-<token>``, the backups of the files
+it replaces or removes ``.<name>.autoxla-old-<token>`` (config.json's is
+``config.json.autoxla-previous`` when that name is free), and the final names. Then:
 
 1. every new file is written under its temporary name and fsync'ed;
 2. the journal is renamed ``.autoxla-commit-<token>.json``: the commit begins;
@@ -53,7 +53,9 @@ touched, and only if they have the forms above with the journal's own token; a j
 being written (no temporary exists yet then) is recognised by its content and removed, any other
 file with a journal's name is kept, with a warning. Leftovers of AutoXLA versions before the
 journal have no journal and are kept: delete them by hand. A second save into a directory while
-one runs raises SaveInProgressError (where flock exists).
+one runs raises SaveInProgressError (where flock exists; two saves starting in the same instant
+are not detected: one writer per directory). generation_config.json is kept as it is when the
+model has no generation config.
 """
 from __future__ import annotations
 
@@ -458,40 +460,47 @@ def _torn(text: str, token: str) -> bool:
 
 def _settle_interrupted(target: Path) -> None:
     """Settle the journals of saves that were killed (or whose rollback failed) in ``target``."""
-    for name in sorted(os.listdir(target)):
-        m = _STAGING.match(name) or _COMMITTING.match(name)
-        if m is None:
-            continue
-        path, token = target / name, m.group(1)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            warnings.warn(f"{path} looks like a journal of an interrupted save but cannot be read "
-                          f"({e}); it is kept", stacklevel=3)
-            continue
-        try:
-            _lock(fd, path)
-            with open(fd, "rb", closefd=False) as f:
-                raw = f.read(1 << 20)
-            text = raw.decode("utf-8", errors="replace")
-            entries = _parse_journal(text, token)
-            if entries is not None:
-                _settle(target, entries, committing=name.startswith(".autoxla-commit-"))
-                _remove(path)
-            elif name.startswith(".autoxla-save-") and _torn(text, token):
-                _remove(path)   # torn while being written: nothing had been created yet
-            else:
-                warnings.warn(f"{path} has a journal's name but is not a journal AutoXLA wrote; "
-                              "it is kept and nothing it names is touched", stacklevel=3)
-        except BaseException as e:
-            if not isinstance(e, SaveInProgressError):
-                e.add_note(f"save_pretrained could not settle the interrupted save recorded in "
-                           f"{path}; nothing else was changed. Fix the cause and save again")
-            raise
-        finally:
-            os.close(fd)
+    matches = (_STAGING.match(n) or _COMMITTING.match(n) for n in os.listdir(target))
+    tokens = sorted({m.group(1) for m in matches if m})
+    for token in tokens:
+        # The staging name first: a running save renames it to the commit name, never back.
+        for name in (f".autoxla-save-{token}.json", f".autoxla-commit-{token}.json"):
+            try:
+                fd = os.open(target / name, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                warnings.warn(f"{target / name} looks like the journal of an interrupted save but "
+                              f"cannot be read ({e}); it is kept", stacklevel=3)
+                break
+            try:
+                _settle_journal(target, name, token, fd)
+            finally:
+                os.close(fd)
+            break
+
+
+def _settle_journal(target: Path, name: str, token: str, fd: int) -> None:
+    path = target / name
+    try:
+        _lock(fd, path)
+        with open(fd, "rb", closefd=False) as f:
+            text = f.read(64 << 20).decode("utf-8", errors="replace")
+        entries = _parse_journal(text, token)
+        if entries is not None:
+            _settle(target, entries, committing=name.startswith(".autoxla-commit-"))
+            _remove(path)
+        elif name.startswith(".autoxla-save-") and _torn(text, token):
+            _remove(path)   # torn while being written: nothing had been created yet
+        else:
+            warnings.warn(f"{path} has a journal's name but is not a journal AutoXLA wrote; it is "
+                          "kept and nothing it names is touched", stacklevel=4)
+    except SaveInProgressError:
+        raise
+    except BaseException as e:
+        e.add_note(f"save_pretrained could not settle the interrupted save recorded in {path}; the "
+                   "journal is kept with the files it lists: fix the cause and save again")
+        raise
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
