@@ -50,7 +50,8 @@ Kills. A killed save leaves its journal. The next save into the directory first 
 ``.autoxla-commit-`` journal is rolled back (previous checkpoint restored) if its config.json
 temporary still exists, else finished (backups removed). Only the names a journal lists are
 touched, and only if they have the forms above with the journal's own token; a journal torn while
-being written (no temporary exists yet then) is recognised by its content and removed, any other
+being written (no temporary exists yet then) is recognised by its content (empty, or the start of
+what a journal holds, with the same token) and removed, any other
 file with a journal's name is kept, with a warning. Leftovers of AutoXLA versions before the
 journal have no journal and are kept: delete them by hand. A second save into a directory while
 one runs raises SaveInProgressError (where flock exists; two saves starting in the same instant

@@ -316,6 +316,30 @@ def test_a_failure_at_any_step_leaves_the_old_or_the_new_checkpoint(op, before, 
     assert k > 1, "the operation was never called"
 
 
+@pytest.mark.parametrize("op, k", [("save_file", 1), ("rename", 2), ("replace", 3)])
+def test_an_interrupt_is_rolled_back_like_an_error(op, k, tmp_path, monkeypatch):
+    d, old = _template(tmp_path, "three")
+    import safetensors.torch
+
+    owner, attr = {"save_file": (safetensors.torch, "save_file"), "rename": (os, "rename"),
+                   "replace": (os, "replace")}[op]
+    real, calls = getattr(owner, attr), [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == k:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(owner, attr, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            saving.save_pretrained(Net(20), d, max_shard_size=SIZES["single"])
+    assert same(read_checkpoint(d), old)
+    assert_user_files_intact(d)
+    assert_clean(d)
+
+
 @pytest.mark.parametrize("op, expected", [
     ("replace", {"refused"}),        # the rollback cannot move config.json back
     ("rename", {"old"}),             # the rollback moves back with os.replace
