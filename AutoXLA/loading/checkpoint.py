@@ -16,6 +16,8 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from .. import _native
+
 # safetensors dtype strings -> torch dtypes.
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -26,6 +28,9 @@ SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 PICKLE_INDEX, PICKLE_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 # Header size limit, as the safetensors format itself sets it (100 MB): guards against garbage.
 _MAX_HEADER = 100_000_000
+# SafetensorsHeaderError kinds of a header that is not valid JSON at all (or not an object).
+_JSON_ERROR_KINDS = frozenset({"eof", "syntax", "utf8", "control_char", "escape", "surrogate",
+                               "too_deep", "trailing_data", "not_object"})
 
 
 class CheckpointError(ValueError):
@@ -45,48 +50,80 @@ class TensorRecord:
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorRecord]:
-    """Records of every tensor in one .safetensors file (header only)."""
+    """Records of every tensor in one .safetensors file (header only), in file order.
+
+    The header is validated as a whole by the C core's strict parser
+    (_native.parse_safetensors_header: JSON, schema, dtypes, sizes, duplicate names, and
+    offsets that tile the data section up to the exact end of the file) before any byte of
+    tensor data is read. Every problem is a CheckpointError naming the file, the tensor and
+    the fix. Only a regular file is opened (a FIFO would block, a device read forever).
+    """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes); "
-                                  "re-save it with save_pretrained(safe_serialization=True)")
-        (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER:
-            raise CheckpointError(f"{path}: safetensors header of {n} bytes is not plausible; "
-                                  "the file is corrupt or not safetensors")
+    require_regular_file(Path(path), "a .safetensors weight file")
+    redo = "download or save it again"
+    try:
+        # O_NONBLOCK: should the path be swapped for a FIFO after the check, open() cannot
+        # block; fstat below then refuses it.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open the weight file ({e.strerror}); check its "
+                              f"permissions, or {redo}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path} is not a regular file (it changed while being "
+                                  "opened); a .safetensors weight file must be a regular file: "
+                                  "replace it with the file from the checkpoint")
+        size = st.st_size
         try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable safetensors header ({e}); the file is "
-                                  "corrupt or truncated: download or save it again") from None
-        size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(
+                    f"{path} is not a safetensors file (shorter than 8 bytes: {size}); "
+                    f"{redo}, e.g. with save_pretrained(safe_serialization=True)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER:
+                raise CheckpointError(
+                    f"{path}: safetensors header of {n} bytes is not plausible (the format's "
+                    f"limit is {_MAX_HEADER}); the file is corrupt or not safetensors: {redo}")
+            if 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: the safetensors header claims {n} bytes but the file has only "
+                    f"{size - 8} after its 8-byte length; the file is truncated or not "
+                    f"safetensors: {redo}")
+            header = f.read(n)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read the weight file ({e.strerror}); "
+                                  f"{redo}") from None
+    if len(header) != n:  # the file shrank while being read
+        raise CheckpointError(f"{path}: the file ended {n - len(header)} bytes into its "
+                              f"{n}-byte safetensors header (truncated while being read?); {redo}")
+    try:
+        tensors = _native.parse_safetensors_header(header, size)
+    except _native.SafetensorsHeaderError as e:
+        if e.kind in _JSON_ERROR_KINDS:
+            what, fix = "unreadable safetensors header", f"the file is corrupt: {redo}"
+        elif e.kind == "truncated":
+            what, fix = "truncated safetensors file", f"an interrupted download or copy? {redo}"
+        elif e.kind == "trailing_bytes":
+            what, fix = "safetensors file with trailing bytes", (
+                f"bytes were appended or the file is corrupt: {redo}")
+        else:
+            what, fix = "invalid safetensors header", (
+                f"the file is corrupt or was written by a broken tool: {redo}")
+        raise CheckpointError(f"{path}: {what}: {e}; {fix}") from None
     base = 8 + n
     records = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+    for t in tensors:
+        dtype = SAFETENSORS_DTYPES.get(t.dtype)
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which "
-                                  f"AutoXLA does not load (supported: {', '.join(SAFETENSORS_DTYPES)})")
-        begin, end = info["data_offsets"]
-        shape = tuple(int(s) for s in info["shape"])
-        expected = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - begin != expected or base + end > size:
-            raise CheckpointError(f"{path}: tensor {name!r} claims bytes {begin}..{end} but needs "
-                                  f"{expected} within a {size}-byte file; the file is truncated "
-                                  "or corrupt: download or save it again")
-        records[name] = TensorRecord(name, path, dtype, shape, base + begin, end - begin)
+            raise CheckpointError(
+                f"{path}: tensor {t.name!r} has dtype {t.dtype!r}, which AutoXLA does not load "
+                f"(supported: {', '.join(SAFETENSORS_DTYPES)}); convert the checkpoint to one "
+                "of them, e.g. load it with transformers and save it in bfloat16")
+        records[t.name] = TensorRecord(t.name, path, dtype, t.shape, base + t.begin,
+                                       t.end - t.begin)
     return records
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 @dataclass
