@@ -1270,7 +1270,9 @@ def _st_error(lib, header: bytes, file_size: int, out: _StHeader) -> Safetensors
                   f"for {8 + n + value}, leaving {file_size - 8 - n - value} unexplained bytes")
     else:
         detail = text
-    if position is not None:
+    if kind in ("gap", "overlap", "same_bytes", "truncated"):
+        detail += f" (its entry is at byte {position} of the header)"
+    elif position is not None and kind != "duplicate_name":
         detail += f" (at byte {position} of the header)"
     if tensor is not None and kind != "trailing_bytes":
         detail = f"tensor {tensor!r}: {detail}"

@@ -287,7 +287,8 @@ AXL_API int axl_dequantize(const void *q, const void *scales, int scale_dtype,
  *     "shape":        an array of at most AXL_ST_MAX_NDIM integers >= 0;
  *     "data_offsets": an array of exactly 2 integers, begin <= end;
  *   other fields are ignored (any JSON value), a field given twice is an error.
- *   "__metadata__" (at most once): an object whose values are strings or null.
+ *   "__metadata__" (at most once): null, or an object whose values are strings (not null:
+ *     safetensors refuses that too).
  *   Where an integer is required only 0 or [1-9][0-9]* up to INT64_MAX is taken: no sign,
  *   fraction, exponent or leading zero.
  *   elements = the product of shape (1 for []), computed left to right, never above
@@ -354,8 +355,8 @@ typedef enum axl_st_error_kind {
     AXL_ST_ERR_TRAILING_DATA = 8,      /* something other than whitespace after the object */
     AXL_ST_ERR_NOT_OBJECT = 9,         /* the header does not start with '{' */
     AXL_ST_ERR_ENTRY_NOT_OBJECT = 10,  /* a tensor's value is not an object */
-    AXL_ST_ERR_METADATA_NOT_OBJECT = 11, /* "__metadata__" is not an object */
-    AXL_ST_ERR_METADATA_VALUE = 12,    /* a metadata value is not a string or null */
+    AXL_ST_ERR_METADATA_NOT_OBJECT = 11, /* "__metadata__" is neither an object nor null */
+    AXL_ST_ERR_METADATA_VALUE = 12,    /* a metadata value is not a string */
     AXL_ST_ERR_DUPLICATE_METADATA = 13, /* "__metadata__" twice */
     AXL_ST_ERR_MISSING_DTYPE = 14,     /* a tensor without "dtype" */
     AXL_ST_ERR_MISSING_SHAPE = 15,     /* a tensor without "shape" */

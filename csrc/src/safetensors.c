@@ -57,7 +57,7 @@ const char *axl_st_error_text(int kind) {
     case AXL_ST_ERR_TRAILING_DATA: return "data after the header's JSON object";
     case AXL_ST_ERR_NOT_OBJECT: return "the header is not a JSON object";
     case AXL_ST_ERR_ENTRY_NOT_OBJECT: return "a tensor's entry is not a JSON object";
-    case AXL_ST_ERR_METADATA_NOT_OBJECT: return "__metadata__ is not a JSON object";
+    case AXL_ST_ERR_METADATA_NOT_OBJECT: return "__metadata__ is neither a JSON object nor null";
     case AXL_ST_ERR_METADATA_VALUE: return "a __metadata__ value is not a string";
     case AXL_ST_ERR_DUPLICATE_METADATA: return "__metadata__ appears twice";
     case AXL_ST_ERR_MISSING_DTYPE: return "a tensor has no \"dtype\"";
@@ -419,6 +419,7 @@ static int parse_metadata(parser *p) {
     int rc, done;
     int64_t len;
     if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
+    if (peek(p) == 'n') return skip_literal(p, "null"); /* no metadata, as safetensors allows */
     if (peek(p) != '{') return fail(p, AXL_ST_ERR_METADATA_NOT_OBJECT, p->i);
     p->i++;
     skip_ws(p);
@@ -429,13 +430,9 @@ static int parse_metadata(parser *p) {
     do {
         if ((rc = parse_key(p, NULL, 0, &len))) return rc;
         if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
-        if (peek(p) == '"')
-            rc = parse_string(p, NULL, 0, &len);
-        else if (peek(p) == 'n')
-            rc = skip_literal(p, "null");
-        else
-            rc = fail(p, AXL_ST_ERR_METADATA_VALUE, p->i);
-        if (rc) return rc;
+        /* strings only: safetensors refuses a null value too */
+        if (peek(p) != '"') return fail(p, AXL_ST_ERR_METADATA_VALUE, p->i);
+        if ((rc = parse_string(p, NULL, 0, &len))) return rc;
         if ((rc = next_member(p, '}', &done))) return rc;
     } while (!done);
     return AXL_OK;

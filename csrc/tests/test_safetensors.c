@@ -185,14 +185,18 @@ static void test_escapes(void) {
         CHECK_EQ(p.h.names_used, 6 + 7 + 6 + 8 + 9);
     }
     parsed_free(&p);
-    /* escaped metadata values, null metadata values, metadata last and in the middle */
+    /* escaped metadata values, metadata in the middle (and last, below) */
     VALID(&p,
           "{\"a\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[0,2]},"
-          "\"__metadata__\":{\"k\\u0041\":\"v\\n\\ud800\\udc00\",\"empty\":\"\",\"none\":null},"
+          "\"__metadata__\":{\"k\\u0041\":\"v\\n\\ud800\\udc00\",\"empty\":\"\"},"
           "\"b\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[2,4]}}",
           4);
     CHECK_EQ(p.h.count, 2);
     CHECK_EQ(p.h.names_used, 2); /* metadata names are not kept */
+    parsed_free(&p);
+    /* "__metadata__": null is no metadata (safetensors reads it as None) */
+    VALID(&p, "{\"a\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[0,2]},\"__metadata__\":null}", 2);
+    CHECK_EQ(p.h.count, 1);
     parsed_free(&p);
 }
 
@@ -424,7 +428,11 @@ static void test_schema_types(void) {
     /* metadata */
     REJECT("{\"__metadata__\":[]}", 0, AXL_ST_ERR_METADATA_NOT_OBJECT);
     REJECT("{\"__metadata__\":\"x\"}", 0, AXL_ST_ERR_METADATA_NOT_OBJECT);
-    REJECT("{\"__metadata__\":null}", 0, AXL_ST_ERR_METADATA_NOT_OBJECT);
+    REJECT("{\"__metadata__\":nul}", 0, AXL_ST_ERR_SYNTAX);
+    REJECT("{\"__metadata__\":true}", 0, AXL_ST_ERR_METADATA_NOT_OBJECT);
+    REJECT("{\"__metadata__\":{\"k\":null}}", 0, AXL_ST_ERR_METADATA_VALUE);
+    REJECT("{\"__metadata__\":{\"a\":\"b\",\"k\":null}}", 0, AXL_ST_ERR_METADATA_VALUE);
+    REJECT("{\"__metadata__\":null,\"__metadata__\":{}}", 0, AXL_ST_ERR_DUPLICATE_METADATA);
     REJECT("{\"__metadata__\":{\"k\":1}}", 0, AXL_ST_ERR_METADATA_VALUE);
     REJECT("{\"__metadata__\":{\"k\":{}}}", 0, AXL_ST_ERR_METADATA_VALUE);
     REJECT("{\"__metadata__\":{\"k\":true}}", 0, AXL_ST_ERR_METADATA_VALUE);
@@ -822,7 +830,7 @@ static void robust(const char *text, int64_t n, int64_t file_size) {
 
 static void test_robustness(void) {
     const char *valid[] = {
-        "{\"__metadata__\":{\"format\":\"pt\",\"n\":null},"
+        "{\"__metadata__\":{\"format\":\"pt\",\"n\":\"\"},"
         "\"w\\u00e9\\ud83d\\ude00\":{\"dtype\":\"BF16\",\"shape\":[2,3],\"data_offsets\":[0,12]},"
         "\"b\":{\"extra\":[1,{\"x\":-1.5e3}],\"shape\":[],\"dtype\":\"F32\",\"data_offsets\":[12,16]}}  ",
         "{\"e\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]},"

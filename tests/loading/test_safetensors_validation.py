@@ -146,9 +146,18 @@ def test_missing_field(tmp_path, field):
     refused(p, "tensor 'w'", f'no "{field}"')
 
 
-def test_metadata_must_map_strings(tmp_path):
-    p = write(tmp_path / "m.safetensors", {"__metadata__": {"format": 1}, "w": F32_1})
+@pytest.mark.parametrize("value", [1, None, ["pt"]])
+def test_metadata_must_map_strings(tmp_path, value):
+    # null too: safetensors' own reader refuses it as well
+    p = write(tmp_path / "m.safetensors", {"__metadata__": {"format": value}, "w": F32_1})
     refused(p, "__metadata__ value is not a string")
+
+
+def test_null_metadata_is_no_metadata(tmp_path):
+    p = write(tmp_path / "m.safetensors", {"__metadata__": None, "w": F32_1})
+    assert list(ckpt.read_safetensors_header(p)) == ["w"]
+    with safe_open(p, framework="pt") as f:
+        assert f.metadata() is None and list(f.keys()) == ["w"]
 
 
 def test_unknown_dtype(tmp_path):
