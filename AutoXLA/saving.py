@@ -97,6 +97,16 @@ class SaveInProgressError(RuntimeError):
     """Another save_pretrained is writing into the same directory right now."""
 
 
+def interrupted_save(directory: str | os.PathLike) -> bool:
+    """Whether a save_pretrained into ``directory`` was interrupted and not yet settled (its
+    journal, or the config it moved aside, is still there); the next save settles it."""
+    d = Path(directory)
+    if not d.is_dir():
+        return False
+    return _exists(d / _PREVIOUS_CONFIG) or any(
+        _STAGING.match(p.name) or _COMMITTING.match(p.name) for p in d.iterdir())
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside an FSDPv2 wrapper (or the model itself)."""
     return getattr(model, "autoxla_module", None) or model

@@ -7,6 +7,7 @@ only chance to get their values.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -32,6 +33,13 @@ def load_config(path, **kwargs):
         from huggingface_hub.errors import StrictDataclassError   # transformers' field checks
     except ImportError:          # pragma: no cover - older huggingface_hub
         StrictDataclassError = TypeError
+    from ..loading.checkpoint import CheckpointError
+    from ..saving import CONFIG, interrupted_save
+
+    if not os.path.exists(os.path.join(path, CONFIG)) and interrupted_save(path):
+        raise CheckpointError(f"{path} has no {CONFIG}: a save_pretrained into it was interrupted "
+                              "(killed or failed while rolling back). Call save_pretrained into it "
+                              "again: it restores or finishes the interrupted save first")
     try:
         return AutoConfig.from_pretrained(path, **kwargs)
     except (ArithmeticError, TypeError, KeyError, AttributeError, RecursionError,
