@@ -105,8 +105,10 @@ AXL_AVX512 INLINE void store_scales(void *scales, int scale_dtype, int64_t g0, _
 /* Set-up of up to CHUNK blocks at once (lanes in `valid`), as axl_qparams_sym /
  * axl_qparams_asym: from the fp32 scales s (and, asymmetric, the blocks' lo), the stored
  * scales (rounded to f->scale_dtype), their reciprocals (0 for a zero block), the zero points;
- * stores scales and zero points for blocks g0.., and spills inv, scale and zp for pass 2. */
-AXL_AVX512 INLINE void block_setup(__m512 s, __m512 lo, __mmask16 valid, const axl_qformat *f,
+ * stores scales and zero points for blocks g0.., and spills inv, scale and zp for pass 2.
+ * Returns nonzero if a block's grid overflows (as quant_ref.c: its extreme values would
+ * dequantize to Inf), and then the row is non-finite. */
+AXL_AVX512 INLINE int block_setup(__m512 s, __m512 lo, __mmask16 valid, const axl_qformat *f,
                                    int symmetric, int32_t qmin, int32_t qmax, void *scales,
                                    int8_t *zp,
                                    int64_t g0, float inv[CHUNK], float scale[CHUNK],
@@ -119,6 +121,8 @@ AXL_AVX512 INLINE void block_setup(__m512 s, __m512 lo, __mmask16 valid, const a
     __mmask16 ok = _mm512_mask_cmp_ps_mask(pos, r, inf, _CMP_LT_OQ);
     s = _mm512_maskz_mov_ps(ok, s);
     r = _mm512_maskz_mov_ps(ok, r);
+    const __m512 range = _mm512_set1_ps((float)(symmetric ? qmax : qmax - qmin));
+    if (_mm512_mask_cmp_ps_mask(valid, _mm512_mul_ps(s, range), inf, _CMP_EQ_OQ)) return 1;
     __m512i z = _mm512_setzero_si512();
     if (!symmetric) {
         const __m512i qmin_v = _mm512_set1_epi32(qmin), qmax_v = _mm512_set1_epi32(qmax);
@@ -131,6 +135,7 @@ AXL_AVX512 INLINE void block_setup(__m512 s, __m512 lo, __mmask16 valid, const a
     _mm512_storeu_ps(inv, r);
     _mm512_storeu_ps(scale, s);
     _mm512_storeu_si512(zpi, z);
+    return 0;
 }
 
 /* Any block size, 16 elements per step with masked tails: for per-channel rows whose width
@@ -190,8 +195,9 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
         }
         float inv[CHUNK], scale[CHUNK];
         int32_t zpi[CHUNK];
-        block_setup(s, symmetric ? zero : _mm512_maskz_loadu_ps(valid, lo), valid, f, symmetric,
-                    qmin, qmax, scales, zp, g0, inv, scale, zpi);
+        if (block_setup(s, symmetric ? zero : _mm512_maskz_loadu_ps(valid, lo), valid, f,
+                        symmetric, qmin, qmax, scales, zp, g0, inv, scale, zpi))
+            return 1;
 
         /* Pass 2: the values and statistics, from cache. */
         for (int b = 0; b < nb; b++) {
@@ -599,7 +605,8 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
         }
         float inv[CHUNK], scale[CHUNK];
         int32_t zpi[CHUNK];
-        block_setup(s, lo, valid, f, symmetric, qmin, qmax, scales, zp, g0, inv, scale, zpi);
+        if (block_setup(s, lo, valid, f, symmetric, qmin, qmax, scales, zp, g0, inv, scale, zpi))
+            return 1;
 
         /* Pass 2: the values and statistics, from cache. Meanwhile the lines pass 1 reads
          * next (the next chunk, or row: rows are contiguous) are prefetched, so the memory

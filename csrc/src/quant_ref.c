@@ -53,6 +53,10 @@ static inline int quant_row(const void *w, int src_dtype, const axl_qformat *f, 
             axl_qparams_sym(axl_f32_from_bits(amax), (float)qmax, f->scale_dtype, &scale, &inv);
         else if (axl_qparams_asym(lo, hi, qmin, qmax, f->scale_dtype, &scale, &inv, &z))
             return 1;
+        /* A block whose grid, scale * qmax (symmetric) or scale * (qmax - qmin), overflows
+         * fp32 (elements within about 2^-8 of FLT_MAX): its extreme values would dequantize
+         * to Inf, so the row is non-finite. */
+        if (scale * (float)(f->symmetric ? qmax : qmax - qmin) == INFINITY) return 1;
         axl_scale_store(scales, f->scale_dtype, g, scale);
         if (zp) zp[g] = (int8_t)z;
         /* Pass 2: the values, from cache. */
