@@ -84,12 +84,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         break;
     case F_OVERLAP:
         dst = src_mem;
-        if (ds > ss) { /* the larger output would run past src's allocation */
+        if (ds > ss) { /* a larger output: both in one buffer that holds the output */
             free(dst_mem);
-            dst_mem = xmalloc((size_t)n * ds + 1);
-            memcpy(dst_mem, src_mem, (size_t)n * ss);
-            src = dst_mem;
-            dst = dst_mem + (extra % 2) * 4 * (n > 1);
+            dst_mem = xmalloc((size_t)n * ds + 8);
+            memcpy(dst_mem + 2 * (extra % 2), src_mem, (size_t)n * ss);
+            src = dst_mem + 2 * (extra % 2); /* src from byte 0 or 2, dst from byte 0 */
+            dst = dst_mem;
         }
         break;
     }

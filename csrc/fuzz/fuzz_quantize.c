@@ -77,7 +77,7 @@ static void same_bytes(const char *what, int isa, const void *a, const void *b, 
     if (n == 0 || !a || !b || memcmp(a, b, n) == 0) return;
     size_t i = 0;
     while (((const uint8_t *)a)[i] == ((const uint8_t *)b)[i]) i++;
-    fail("%s: isa %s differs from the scalar result at byte %zu (0x%02x vs 0x%02x)", what,
+    fail("%s: isa %s differs from the first call's result at byte %zu (0x%02x vs 0x%02x)", what,
          axl_isa_name(isa), i, ((const uint8_t *)a)[i], ((const uint8_t *)b)[i]);
 }
 
@@ -210,19 +210,34 @@ static void check_dequantize(const uint8_t *q, const uint8_t *scales, const int8
     free(want);
 }
 
+/* s rounded up to a bf16 value (s finite, >= 0), as autoxla.h defines the bf16 scale. */
+static float bf16_round_up(float s) {
+    uint32_t b = bits_of_f32(s);
+    if (b & 0xFFFF) b = (b | 0xFFFF) + 1;
+    return f32_of_bits(b);
+}
+
 /* The lowest row holding a NaN or Inf, or (asymmetric) a block whose range hi - lo
- * overflows fp32; -1 when there is none. */
+ * overflows fp32, or a block whose grid overflows fp32: its scale (rounded as stored)
+ * times qmax (symmetric) or qmax - qmin (asymmetric), whose extreme values would
+ * dequantize to Inf (fuzz-found; tests/test_fuzz_regressions.c); -1 when there is none. */
 static int64_t first_bad_row(const void *w, const shape *s) {
+    const float qmax = s->bits == 8 ? 127.0f : 7.0f;
+    const float range = s->symmetric ? qmax : 2 * qmax + 1;
     for (int64_t r = 0; r < s->rows; r++)
         for (int64_t g = 0; g < s->groups; g++) {
-            float lo = 0, hi = 0;
+            float lo = 0, hi = 0, amax = 0;
             for (int64_t c = g * s->block; c < (g + 1) * s->block; c++) {
                 float x = widen(w, s->src_dtype, r * s->cols + c);
                 if (!isfinite(x)) return r;
                 if (x < lo) lo = x;
                 if (x > hi) hi = x;
+                if (fabsf(x) > amax) amax = fabsf(x);
             }
             if (!s->symmetric && isinf(hi - lo)) return r;
+            float scale = s->symmetric ? amax / qmax : (hi - lo) / range;
+            if (s->scale_dtype == AXL_BF16) scale = bf16_round_up(scale);
+            if (isinf(scale * range)) return r;
         }
     return -1;
 }

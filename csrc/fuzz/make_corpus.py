@@ -8,6 +8,7 @@ fuzz_<target>.c, then data): valid calls of every dtype pair and layout, the edg
 sizes), and one seed per argument fault. Run: python3 csrc/fuzz/make_corpus.py
 (deterministic; rewrites the three directories)."""
 
+import base64
 import os
 import shutil
 import struct
@@ -128,6 +129,11 @@ def quantize_seeds():
     s["raw_dequantize"] = qz(NONE_Q, F32, 1, 1, 0, 0, 0, 1, F16, 1, 1, 127, 3, 35, extra=0x0E, data=d)
     s["bad_dequantize"] = qz(NONE_Q, F32, 0, 0, 0, 0, 0, 1, F32, 1, 1, 127, 3, 35, extra=0x71, data=d)
     s["overlap_dequantize"] = qz(NONE_Q, F32, 0, 0, 0, 0, 0, 1, F32, 1, 1, 127, 3, 35, extra=0xF0, data=d)
+    # found by the fuzzer: a bf16-scaled asymmetric 4-bit block holding 0x1.fefefep+127,
+    # whose grid overflowed (tests/test_fuzz_regressions.c)
+    s["found_grid_overflow"] = base64.b64decode(
+        "4QwAPQ8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8P"
+        "Dw8PDw8PDw8PDw8PDw8PDw8PDw8PDw8PDxYMAA==")
     for fault in range(19):  # every F_* of fuzz_quantize.c
         s[f"fault_{fault:02d}"] = qz(fault, F32, 0, 0, 0, 3, 1, 1, F32, 1, 1, 127, 3, 64,
                                      extra=fault * 5 + 2, data=d)
@@ -148,6 +154,8 @@ def convert_seeds():
     s["f32_to_bf16_long_threads"] = bytes([NONE_C, F32 | BF16 << 2, 2, 0, 0xFF]) + pattern(64)
     s["f16_to_f32_long"] = bytes([NONE_C, F16 | F32 << 2, 0, 3, 0xF8]) + pattern(64, 3)
     s["bf16_to_f16_avx2"] = bytes([NONE_C, BF16 | F16 << 2, 1, 2, 0]) + pattern(200, 5)
+    # found by the fuzzer (a harness fault: f16 -> f32 in one shared buffer)
+    s["found_overlap_widening"] = base64.b64decode("VtoF/90Fyv8I")
     for fault in range(7):  # every F_* of fuzz_convert.c
         s[f"fault_{fault}"] = bytes([fault, F32 | F16 << 2, 1, 0, fault * 3 + 1]) + pattern(40)
     return s
