@@ -16,6 +16,8 @@ const char *axl_strerror(int code) {
     case AXL_ERR_IO: return "a file cannot be opened or read, or ends too early";
     case AXL_ERR_BAD_FORMAT:
         return "unsupported quantization format (bits must be 4 or 8, symmetric 0 or 1)";
+    case AXL_ERR_BAD_HEADER:
+        return "invalid safetensors header (axl_st_error says what and where)";
     default: return "unknown status code";
     }
 }

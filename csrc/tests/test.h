@@ -47,6 +47,7 @@ static inline void *xmalloc(size_t bytes) {
 void test_convert(void);
 void test_shards(void);
 void test_quant(void);
+void test_safetensors(void);
 
 /* Makes pthread_create fail from the (after+1)-th call on; after < 0 turns that off.
  * Main thread only (test_core.c wraps pthread_create). */

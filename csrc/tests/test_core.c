@@ -164,6 +164,7 @@ int main(void) {
     test_convert();
     test_shards();
     test_quant();
+    test_safetensors();
     printf("%d passed, %d failed\n", axl_tests_passed, axl_tests_failed);
     return axl_tests_failed ? 1 : 0;
 }
