@@ -213,6 +213,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (int64_t i = 0; i < glen; i++) content[i] = stream_byte(in.p, in.n, (size_t)i);
     write_file(content, (size_t)flen);
 
+    /* Rows of dim 0 and their bytes, before a fault may change the shape. */
+    int64_t rows = numel ? shape[0] : 0, row_bytes = numel && ss ? tensor_bytes / rows : 0;
+
     /* The one argument made invalid, if any (after the file and sizes are fixed). */
     int64_t *shape_arg = shape;
     if (fault == F_NDIM) ndim = (extra & 1) ? 0 : (extra & 2) ? -1 : AXL_MAX_NDIM + 1;
@@ -248,7 +251,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                       fault != F_NULL_SHAPE;
 
     /* axl_read_shards_scratch_bytes: checked against autoxla.h, then the scratch size. */
-    int64_t rows = numel ? shape[0] : 0, row_bytes = numel && ss ? tensor_bytes / rows : 0;
     int64_t threads = numel && ss && nthreads >= 0 ? read_threads(nthreads, rows, row_bytes) : 1;
     int64_t sb = axl_read_shards_scratch_bytes(src_dtype, ndim, shape_arg, nthreads);
     {
