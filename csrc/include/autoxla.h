@@ -166,9 +166,11 @@ AXL_API int axl_scatter_shards(const void *src, int src_dtype, int ndim, const i
  * rows; more scratch means fewer, larger reads. axl_read_shards_scratch_bytes gives a size.
  * offset < 0, scratch_bytes < 0, or offset + the tensor's bytes above INT64_MAX:
  * AXL_ERR_BAD_SIZE (also for a tensor with 0 elements). The file
- * is opened once (O_RDONLY | O_CLOEXEC), shared by the threads, and closed before the call
- * returns, on every path. A file that cannot be opened or read, or that ends before
- * offset + the tensor's bytes: AXL_ERR_IO, and the blocks are partly written. */
+ * is opened once (O_RDONLY | O_CLOEXEC | O_NONBLOCK, so opening a FIFO cannot block), shared
+ * by the threads, and closed before the call returns, on every path. A FIFO, socket or
+ * directory (checked with fstat on the open descriptor), a file that cannot be opened or
+ * read, or one that ends before offset + the tensor's bytes: AXL_ERR_IO, and the blocks are
+ * partly written. */
 AXL_API int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
                             const int64_t *shape, const int64_t *grid, void *const *dsts,
                             int dst_dtype, void *scratch, int64_t scratch_bytes, int nthreads,

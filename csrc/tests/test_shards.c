@@ -5,6 +5,8 @@
  * truncated and missing files, scratch sizes, and bad arguments. */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, ftruncate */
 #include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -369,6 +371,18 @@ static void test_bad_files(void) {
     CHECK_EQ(axl_read_shards("/", 0, AXL_BF16, 2, shape, grid, got.ptrs, AXL_F32, scratch,
                              scratch_bytes, 1, 0),
              AXL_ERR_IO);
+    /* A FIFO with no writer: a blocking open would wait forever; refused at once. */
+    char fifo[PATH_SIZE];
+    snprintf(fifo, sizeof fifo, "/tmp/axl-test-fifo-%ld", (long)getpid());
+    unlink(fifo);
+    if (mkfifo(fifo, 0600) == 0) {
+        CHECK_EQ(axl_read_shards(fifo, 0, AXL_BF16, 2, shape, grid, got.ptrs, AXL_F32, scratch,
+                                 scratch_bytes, 1, 0),
+                 AXL_ERR_IO);
+        unlink(fifo);
+    } else {
+        CHECK_MSG(0, "cannot make a FIFO in /tmp");
+    }
     CHECK_MSG(lowest_free_fd() == fds, "file descriptors leaked: lowest free %d, was %d",
               lowest_free_fd(), fds);
     free(scratch);
