@@ -428,11 +428,18 @@ def _child(k, out, size):
     return r
 
 
+def assert_refused_as_interrupted(d):
+    """What AutoXLA's loader reads first refuses the directory, saying a save was interrupted."""
+    from AutoXLA.modeling.empty import load_config
+
+    with pytest.raises(ValueError, match="no config.json: a save_pretrained into it was "
+                                         "interrupted.*save_pretrained into it again"):
+        load_config(d)
+
+
 @pytest.mark.parametrize("before, after", [("three", "single"), ("single", "six")])
 def test_a_killed_save_leaves_old_new_or_refused_and_the_next_save_cleans_up(before, after,
                                                                              tmp_path):
-    from AutoXLA.modeling.empty import load_config
-
     template, old = _template(tmp_path, before)
     new, newer = Net(20), Net(30)
     shutil.copytree(template, tmp_path / "count", symlinks=True)
@@ -447,10 +454,7 @@ def test_a_killed_save_leaves_old_new_or_refused_and_the_next_save_cleans_up(bef
         assert_user_files_intact(d)
         loaded = read_checkpoint(d)
         if loaded is None:
-            # What AutoXLA's loader reads first: refused, naming config.json.
-            with pytest.raises(ValueError, match="no config.json: a save_pretrained into it "
-                                                 "was interrupted.*save_pretrained into it again"):
-                load_config(d)
+            assert_refused_as_interrupted(d)
             outcomes.append("refused")
         elif same(loaded, new):
             outcomes.append("new")
@@ -468,8 +472,6 @@ def test_a_killed_save_leaves_old_new_or_refused_and_the_next_save_cleans_up(bef
 
 def test_a_save_killed_while_settling_an_interrupted_one_is_settled_by_the_next(tmp_path,
                                                                                monkeypatch):
-    from AutoXLA.modeling.empty import load_config
-
     template, old = _template(tmp_path, "three")
     # An interrupted commit: config.json moved aside, the rollback could not move it back.
     with monkeypatch.context() as m:
@@ -490,9 +492,7 @@ def test_a_save_killed_while_settling_an_interrupted_one_is_settled_by_the_next(
         assert_user_files_intact(d)
         loaded = read_checkpoint(d)
         if loaded is None:
-            with pytest.raises(ValueError, match="no config.json: a save_pretrained into it "
-                                                 "was interrupted.*save_pretrained into it again"):
-                load_config(d)
+            assert_refused_as_interrupted(d)
             outcomes.append("refused")
         else:   # settled back to the previous checkpoint before the kill, never a mixture
             assert same(loaded, old), f"killed at #{k}: a mixture loads"
