@@ -48,6 +48,7 @@ void test_convert(void);
 void test_shards(void);
 void test_quant(void);
 void test_safetensors(void);
+void test_fuzz_regressions(void);
 
 /* Makes pthread_create fail from the (after+1)-th call on; after < 0 turns that off.
  * Main thread only (test_core.c wraps pthread_create). */

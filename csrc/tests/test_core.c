@@ -165,6 +165,7 @@ int main(void) {
     test_shards();
     test_quant();
     test_safetensors();
+    test_fuzz_regressions();
     printf("%d passed, %d failed\n", axl_tests_passed, axl_tests_failed);
     return axl_tests_failed ? 1 : 0;
 }

@@ -98,8 +98,3 @@ static void test_grid_overflow(void) {
 }
 
 void test_fuzz_regressions(void) { test_grid_overflow(); }
-
-/* Runs with the other test files: test_core.c's main() prints the shared counts. */
-__attribute__((constructor)) static void test_fuzz_regressions_before_main(void) {
-    test_fuzz_regressions();
-}
