@@ -99,9 +99,10 @@ class NativeError(RuntimeError):
     """A C core function returned a non-zero status; `code` is the axl_status value.
 
     `row` is the offending row of the weight when quantize() refused one (code 7), else
-    None; `reason` then says why: "non_finite" (the row holds NaN or Inf) or
-    "range_overflow" (finite values, but an asymmetric block's max - min overflows
-    float32), else None. The message says the same, with the values and the fix.
+    None; `reason` then says why: "non_finite" (the row holds NaN or Inf), "range_overflow"
+    (finite values, but an asymmetric block's max - min overflows float32) or
+    "grid_overflow" (a block within about 2^-8 of FLT_MAX, where scale x levels overflows),
+    else None. The message says the same, with the values and the fix.
     """
 
     def __init__(
@@ -879,9 +880,10 @@ _SKIP_FIX = (
 def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str | None]:
     """What axl_quantize's AXL_ERR_NON_FINITE for `row` means, and the reason (NativeError).
 
-    The C core returns it for a row holding NaN or Inf, and (asymmetric only) for a finite
-    row with a block whose hi - lo (hi = max(max, 0), lo = min(min, 0)) overflows float32:
-    e.g. 3e38 and -3e38 in one block. Symmetric scales (max |x| / qmax) never overflow.
+    The C core returns it for a row holding NaN or Inf, (asymmetric only) for a finite row
+    with a block whose hi - lo (hi = max(max, 0), lo = min(min, 0)) overflows float32 (e.g.
+    3e38 and -3e38 in one block), and for a block whose grid, the rounded-up scale times its
+    levels, overflows float32 (values within about 2^-8 of FLT_MAX, symmetric or not).
     """
     rows, cols = w.shape
     if not 0 <= row < rows or cols == 0:  # not a row the C core can name; say what we know
@@ -903,9 +905,22 @@ def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str
     hi = blocks.max(dim=1).values.clamp(min=0)
     over = ~torch.isfinite(hi - lo)  # float32 arithmetic, as in the C core
     if not bool(over.any()):
+        # The grid: scale * qmax (or * (qmax - qmin)), with the scale rounded up, overflows
+        # for a block within about 2^-8 of the largest float32, symmetric or not.
+        amax = values.abs()
+        col = int(amax.argmax())
+        if float(amax[col]) < torch.finfo(torch.float32).max / 2:
+            return (
+                f"the C core refused row {row}, but it is finite and no block comes near the "
+                f"float32 limit here; please report this with the weight", None,
+            )
         return (
-            f"the C core refused row {row}, but it is finite and no block's range overflows "
-            f"float32 here; please report this with the weight", None,
+            f"row {row} of the weight is finite, but its block {col // block} (columns "
+            f"{col // block * block} to {(col // block + 1) * block - 1}) reaches "
+            f"{float(values[col]):.6g} (column {col}), within about 2^-8 of the largest float32 "
+            f"({torch.finfo(torch.float32).max:.6g}): its quantization grid (the scale times "
+            f"the number of levels) overflows float32, so its extreme values would dequantize "
+            f"to Inf; scale the weights down, {_SKIP_FIX}", "grid_overflow",
         )
     g = int(over.nonzero()[0])
     part = values[g * block:(g + 1) * block]

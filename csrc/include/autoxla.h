@@ -210,7 +210,9 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  *     >= s; a bf16 value, 0 included, is unchanged; unlike axl_convert, which rounds to
  *     nearest even) and widened back to fp32 (AXL_BF16). From here on the block uses this
  *     rounded scale, never s: it is what is stored, tested below, inverted and multiplied
- *     by.
+ *     by. If the grid then overflows fp32 - scale * qmax (symmetric) or scale * (qmax - qmin)
+ *     (asymmetric) is +Inf, which only a block within about 2^-8 of FLT_MAX can reach - the
+ *     row is refused: AXL_ERR_NON_FINITE (else its top value would dequantize to +Inf).
  *   inv = 1.0f / scale.
  *   symmetric: q = clamp(nearbyint(x * inv), -qmax, qmax); zero point 0.
  *   asymmetric: zp = clamp(qmin - nearbyint(lo * inv), qmin, qmax);
@@ -254,8 +256,8 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  * filled with 0. max_err, sqnr_db: optional (NULL skips it; the statistics are computed if
  * either is given). bad_row: optional, 8-byte aligned (checked also for an empty matrix);
  * once the arguments are checked it is set to -1, or, when the call returns
- * AXL_ERR_NON_FINITE, to the lowest row holding a NaN or Inf or (asymmetric) a block whose
- * range hi - lo overflows fp32. That row is the same for any nthreads and isa; q and the
+ * AXL_ERR_NON_FINITE, to the lowest row holding a NaN or Inf, (asymmetric) a block whose
+ * range hi - lo overflows fp32, or a block whose grid overflows fp32 (above). That row is the same for any nthreads and isa; q and the
  * other outputs are then unspecified. */
 AXL_API int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int bits,
                          int symmetric, int64_t block_size, void *q, void *scales,

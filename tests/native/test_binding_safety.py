@@ -504,3 +504,16 @@ def test_memory_check_helpers():
     if own is not None:  # this process's heap tensor is readable and writable
         start, end = _native._byte_range(t)
         assert _native._range_problem(own, start, end, True) is None
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_grid_overflowing_float32_is_named_not_reported_as_a_bug(symmetric):
+    """FLT_MAX with a bf16 scale (rounded up): scale x levels overflows, found by the fuzzer."""
+    w = torch.zeros(3, 32)
+    w[2, 5] = torch.finfo(torch.float32).max
+    with pytest.raises(_native.NativeError, match=r"row 2 of the weight is finite.*column 5.*"
+                                                  r"grid.*overflows float32.*exclude_layers") as e:
+        _native.quantize(w, bits=4, symmetric=symmetric, block_size=32,
+                         scale_dtype=torch.bfloat16)
+    assert e.value.reason == "grid_overflow" and e.value.row == 2
+    assert "please report" not in str(e.value) and "NaN or Inf" not in str(e.value)
