@@ -28,6 +28,8 @@ SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 PICKLE_INDEX, PICKLE_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 # Header size limit, as the safetensors format itself sets it (100 MB): guards against garbage.
 _MAX_HEADER = 100_000_000
+# An index is a few MB even for the largest models; more is garbage, not a checkpoint.
+_MAX_INDEX = 100_000_000
 # SafetensorsHeaderError kinds of a header that is not valid JSON at all (or not an object).
 _JSON_ERROR_KINDS = frozenset({"eof", "syntax", "utf8", "control_char", "escape", "surrogate",
                                "too_deep", "trailing_data", "not_object"})
@@ -35,6 +37,10 @@ _JSON_ERROR_KINDS = frozenset({"eof", "syntax", "utf8", "control_char", "escape"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded as asked; the message says what to do."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint that loads, but not entirely as its files suggest."""
 
 
 @dataclass(frozen=True)
@@ -175,10 +181,6 @@ def locate(path_or_id: str | os.PathLike, *, use_safetensors: bool | None = None
                           "(from save_pretrained); check the path and the subfolder")
 
 
-# An index is a few MB even for the largest models; more is garbage, not a checkpoint.
-_MAX_INDEX = 100_000_000
-
-
 def _present(path: Path) -> bool:
     """Whether ``path`` exists at all (a FIFO or directory does: it is then refused, not skipped)."""
     return os.path.lexists(path)
@@ -282,10 +284,6 @@ def _indexed_records(d: Path, files: list[Path], weight_map) -> dict[str, Tensor
                       f"by {SAFE_INDEX} and are ignored, e.g. {', '.join(ignored[:3])}; the index "
                       "decides which copy loads", CheckpointWarning, stacklevel=3)
     return records
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint that loads, but not entirely as its files suggest."""
 
 
 def _pickle_files(d: Path):
