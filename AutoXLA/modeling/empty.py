@@ -57,11 +57,16 @@ def check_sizes(config) -> None:
             value = getattr(c, field, None)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_SIZE:
-                raise ValueError(f"config of {name}: {where}{field}={value!r} is not a size; it "
-                                 f"must be a whole number from 1 to {_MAX_SIZE}: fix config.json")
+            # Vision backbones give one size per stage (Swin, SegFormer: [1, 2, 3, 6]).
+            for v in value if isinstance(value, (list, tuple)) and value else [value]:
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= _MAX_SIZE:
+                    raise ValueError(f"config of {name}: {where}{field}={value!r} is not a size; "
+                                     f"it must be a whole number from 1 to {_MAX_SIZE} (or a list "
+                                     "of them, one per stage): fix config.json")
         heads, kv = getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None)
         hidden = getattr(c, "hidden_size", None)
+        if not all(isinstance(x, (int, type(None))) for x in (heads, kv, hidden)):
+            continue             # per-stage lists: transformers checks those itself
         if heads and kv and heads % kv:
             raise ValueError(f"config of {name}: {where}num_attention_heads={heads} is not a "
                              f"multiple of {where}num_key_value_heads={kv} (each key/value head "

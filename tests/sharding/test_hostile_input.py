@@ -54,6 +54,18 @@ def test_impossible_configs_are_one_error_line(capsys, tmp_path, fields, words):
     assert words in err and str(tmp_path) in err and "config.json" in err
 
 
+def test_per_stage_sizes_are_checked_one_by_one():
+    """Vision backbones (SegFormer, Swin) give a size per stage: each must be a size."""
+    from transformers import SegformerConfig
+
+    from AutoXLA.modeling.empty import check_sizes
+
+    check_sizes(SegformerConfig())                         # [1, 2, 5, 8] heads: fine
+    for heads in ([1, 2, 0, 8], [1, -2, 5, 8], []):   # (floats: transformers refuses them)
+        with pytest.raises(ValueError, match=r"num_attention_heads=.* is not a size.*per stage"):
+            check_sizes(SegformerConfig(num_attention_heads=heads))
+
+
 def test_an_enormous_vocab_is_planned_without_host_memory(tmp_path):
     """16 TB of embedding (10**9 x 4096 fp32): built on meta, so planning takes no memory."""
     import resource
