@@ -656,6 +656,19 @@ def scatter_shards(
     return blocks
 
 
+def file_kind(mode: int) -> str:
+    """What a stat mode is, in words: "a regular file", "a FIFO (named pipe)", "a directory",
+    "a device", "a socket" (for the messages that refuse all but regular files)."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return (
+        "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+        "a directory" if stat.S_ISDIR(mode) else
+        "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+        "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+    )
+
+
 def read_shards(
     path: str | os.PathLike,
     offset: int,
@@ -715,15 +728,9 @@ def read_shards(
     # may never end. The C core checks again on the descriptor it opens (O_NONBLOCK, fstat),
     # so a file swapped for a FIFO after this stat cannot hang the call either.
     if not stat.S_ISREG(st.st_mode):
-        kind = (
-            "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else
-            "a directory" if stat.S_ISDIR(st.st_mode) else
-            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
-            "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file"
-        )
         raise ValueError(
-            f"{path_str} is {kind}, not a regular file; read_shards reads tensors from files "
-            f"only: pass the checkpoint file's path"
+            f"{path_str} is {file_kind(st.st_mode)}, not a regular file; read_shards reads "
+            f"tensors from files only: pass the checkpoint file's path"
         )
     file_size = st.st_size
     if file_size < end:

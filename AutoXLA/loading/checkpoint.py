@@ -62,25 +62,29 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorRecord]:
     (_native.parse_safetensors_header: JSON, schema, dtypes, sizes, duplicate names, and
     offsets that tile the data section up to the exact end of the file) before any byte of
     tensor data is read. Every problem is a CheckpointError naming the file, the tensor and
-    the fix. Only a regular file is opened (a FIFO would block, a device read forever).
+    the fix. Only a regular file is read: the path is opened without blocking and anything
+    else (a FIFO would block, a device read forever) is refused by the descriptor's type.
     """
     path = os.fspath(path)
-    require_regular_file(Path(path), "a .safetensors weight file")
     redo = "download or save it again"
     try:
-        # O_NONBLOCK: should the path be swapped for a FIFO after the check, open() cannot
-        # block; fstat below then refuses it.
+        # O_NONBLOCK: opening a FIFO cannot block; the type is then checked on the descriptor
+        # itself, so no path swapped in between can slip through.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file (a dangling link?); a .safetensors weight "
+                              f"file must be a regular file: {redo}") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot open the weight file ({e.strerror}); check its "
                               f"permissions, or {redo}") from None
+    try:
+        st = os.fstat(fd)
+        _require_regular_mode(path, st.st_mode, "a .safetensors weight file")
+    except BaseException:
+        os.close(fd)
+        raise
+    size = st.st_size
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path} is not a regular file (it changed while being "
-                                  "opened); a .safetensors weight file must be a regular file: "
-                                  "replace it with the file from the checkpoint")
-        size = st.st_size
         try:
             head = f.read(8)
             if len(head) != 8:
@@ -194,12 +198,13 @@ def require_regular_file(path: Path, what: str) -> None:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file (a dangling link?); {what} must be a "
                               "regular file: download or save the checkpoint again") from None
+    _require_regular_mode(path, mode, what)
+
+
+def _require_regular_mode(path, mode: int, what: str) -> None:
     if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
-                if stat.S_ISSOCK(mode) else "not a regular file")
-        raise CheckpointError(f"{path} is {kind}; {what} must be a regular file: replace it with "
-                              "the file from the checkpoint")
+        raise CheckpointError(f"{path} is {_native.file_kind(mode)}; {what} must be a regular "
+                              "file: replace it with the file from the checkpoint")
 
 
 def read_index(path: Path) -> dict[str, str]:
@@ -246,8 +251,6 @@ def _shard_files(d: Path, index_name: str, weight_map: dict[str, str]) -> list[P
     if missing:
         raise CheckpointError(f"{d / index_name} lists {missing[:3]} but they are not in {d}; "
                               "the download is incomplete: fetch the missing shards")
-    for n in names:
-        require_regular_file(d / n, f"shard {n} (named by {index_name})")
     return [d / n for n in names]
 
 
@@ -256,8 +259,7 @@ def _safetensors_files(d: Path):
     if _present(d / SAFE_INDEX):
         weight_map = read_index(d / SAFE_INDEX)
         return _shard_files(d, SAFE_INDEX, weight_map), weight_map
-    if _present(d / SAFE_SINGLE):
-        require_regular_file(d / SAFE_SINGLE, "the weights")
+    if _present(d / SAFE_SINGLE):   # its type is checked where it is opened
         return [d / SAFE_SINGLE], None
     return None
 
@@ -290,12 +292,17 @@ def _pickle_files(d: Path):
     """(files, weight_map or None), or None when ``d`` has no pickle weights."""
     if _present(d / PICKLE_INDEX):
         weight_map = read_index(d / PICKLE_INDEX)
-        return (_shard_files(d, PICKLE_INDEX, weight_map),
-                {name: d / file for name, file in weight_map.items()})
-    if _present(d / PICKLE_SINGLE):
-        require_regular_file(d / PICKLE_SINGLE, "the weights")
-        return [d / PICKLE_SINGLE], None
-    return None
+        files = _shard_files(d, PICKLE_INDEX, weight_map)
+        pickle_map = {name: d / file for name, file in weight_map.items()}
+    elif _present(d / PICKLE_SINGLE):
+        files, pickle_map = [d / PICKLE_SINGLE], None
+    else:
+        return None
+    # Checked here, with the index, though torch.load opens them only later (load_pickle_state
+    # checks again there): a special file is refused before the model is even built.
+    for f in files:
+        require_regular_file(f, f"pickle weight file {f.name}")
+    return files, pickle_map
 
 
 def _download(repo_id: str, use_safetensors, revision=None, cache_dir=None,
