@@ -93,6 +93,12 @@ _STAGING = re.compile(r"^\.autoxla-save-([0-9a-f]{16})\.json$")
 _COMMITTING = re.compile(r"^\.autoxla-commit-([0-9a-f]{16})\.json$")
 
 
+def _journal_name(token: str, committing: bool = False) -> str:
+    """The journal's name while staging, or once its commit began (what _STAGING /
+    _COMMITTING match)."""
+    return f".autoxla-{'commit' if committing else 'save'}-{token}.json"
+
+
 class SaveInProgressError(RuntimeError):
     """Another save_pretrained is writing into the same directory right now."""
 
@@ -327,7 +333,7 @@ def _plan(target: Path, n_shards: int, writes_generation: bool):
             entries.append(_Entry(name, _temp_name(name, token) if name in finals else None,
                                   backup))
         created = [e.temp for e in entries if e.temp] + [e.backup for e in entries if e.backup]
-        created += [f".autoxla-save-{token}.json", f".autoxla-commit-{token}.json"]
+        created += [_journal_name(token), _journal_name(token, committing=True)]
         created += shards if shards[0] not in (SAFE_SINGLE, standard[0]) else []
         if not any(_exists(target / n) for n in created):
             return token, shards, entries
@@ -373,7 +379,7 @@ class _Journal:
 
     def __init__(self, target: Path, token: str, entries: list[_Entry], fd: int):
         self.target, self.token, self.entries, self.fd = target, token, entries, fd
-        self.path = target / f".autoxla-save-{token}.json"
+        self.path = target / _journal_name(token)
         self.committing = False
 
     @staticmethod
@@ -382,7 +388,7 @@ class _Journal:
 
     @classmethod
     def create(cls, target: Path, token: str, entries: list[_Entry]) -> "_Journal":
-        path = target / f".autoxla-save-{token}.json"
+        path = target / _journal_name(token)
         body = json.dumps({"files": [asdict(e) for e in entries]})
         data = (cls.head(token) + body[1:]).encode()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -400,7 +406,7 @@ class _Journal:
         return cls(target, token, entries, fd)
 
     def begin_commit(self) -> None:
-        committed = self.target / f".autoxla-commit-{self.token}.json"
+        committed = self.target / _journal_name(self.token, committing=True)
         os.rename(self.path, committed)
         self.path, self.committing = committed, True
         _fsync_dir(self.target)
@@ -475,7 +481,7 @@ def _settle_interrupted(target: Path) -> None:
     tokens = sorted({m.group(1) for m in matches if m})
     for token in tokens:
         # The staging name first: a running save renames it to the commit name, never back.
-        for name in (f".autoxla-save-{token}.json", f".autoxla-commit-{token}.json"):
+        for name in (_journal_name(token), _journal_name(token, committing=True)):
             try:
                 fd = os.open(target / name, os.O_RDONLY)
             except FileNotFoundError:
@@ -499,9 +505,9 @@ def _settle_journal(target: Path, name: str, token: str, fd: int) -> None:
             text = f.read(64 << 20).decode("utf-8", errors="replace")
         entries = _parse_journal(text, token)
         if entries is not None:
-            _settle(target, entries, committing=name.startswith(".autoxla-commit-"))
+            _settle(target, entries, committing=_COMMITTING.match(name) is not None)
             _remove(path)
-        elif name.startswith(".autoxla-save-") and _torn(text, token):
+        elif _STAGING.match(name) and _torn(text, token):
             _remove(path)   # torn while being written: nothing had been created yet
         else:
             warnings.warn(f"{path} has a journal's name but is not a journal AutoXLA wrote; it is "
