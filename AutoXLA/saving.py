@@ -73,6 +73,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ._native import file_kind
 from .loading.checkpoint import SAFE_INDEX, SAFE_SINGLE
 from .sharding.plan import persistent_buffer_names
 
@@ -274,6 +275,8 @@ def _previous_weights(target: Path) -> list[str]:
         return names
     index = target / SAFE_INDEX
     try:
+        if not index.is_file():   # reading a FIFO would block the save forever
+            raise OSError(f"it is {file_kind(os.stat(index).st_mode)}")
         listed = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         warnings.warn(f"{index} is not a readable index ({type(e).__name__}: {e}); it is replaced, "

@@ -226,6 +226,30 @@ def test_an_unreadable_index_is_replaced_and_warned_about(tmp_path):
     assert (d / "model-00001-of-00002.safetensors").read_bytes() == b"kept"
 
 
+def test_a_fifo_named_like_the_index_does_not_hang_the_save(tmp_path):
+    """Reading the previous index must not block: a FIFO is reported and replaced like any
+    unreadable index (in a thread, so that a regression fails instead of hanging the suite)."""
+    import threading
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    os.mkfifo(d / "model.safetensors.index.json")
+    outcome = []
+
+    def save():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            saving.save_pretrained(Net(3), d, max_shard_size=SIZES["single"])
+        outcome.append([str(w.message) for w in caught])
+
+    t = threading.Thread(target=save, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive(), "save_pretrained blocked on a FIFO named like the index"
+    assert any("not a readable index" in m and "FIFO" in m for m in outcome[0]), outcome
+    assert same(read_checkpoint(d), Net(3))
+
+
 def test_a_directory_where_a_file_goes_is_refused_untouched(tmp_path):
     d = tmp_path / "ckpt"
     (d / "config.json").mkdir(parents=True)
