@@ -338,40 +338,37 @@ static int skip_literal(parser *p, const char *word) {
     return AXL_OK;
 }
 
+static int next_member(parser *p, uint8_t close, int *done);
+static int parse_key(parser *p, uint8_t *dst, int64_t cap, int64_t *len);
+
+/* The opening `open` at the cursor (else error `kind` there), then whitespace; an empty
+ * container is consumed whole, closing `close` included, and *empty set. */
+static int open_container(parser *p, uint8_t open, uint8_t close, int kind, int *empty) {
+    if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
+    if (peek(p) != open) return fail(p, kind, p->i);
+    p->i++;
+    skip_ws(p);
+    *empty = !at_end(p) && peek(p) == close;
+    if (*empty) p->i++;
+    return AXL_OK;
+}
+
 /* Any JSON value; depth is that of a container opened here. */
 static int skip_value(parser *p, int depth) {
-    int rc;
+    int rc, done;
     int64_t len;
     if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
     const uint8_t c = peek(p);
     if (c == '{' || c == '[') {
         const uint8_t close = c == '{' ? '}' : ']';
         if (depth > AXL_ST_MAX_DEPTH) return fail(p, AXL_ST_ERR_TOO_DEEP, p->i);
-        p->i++;
-        skip_ws(p);
-        if (!at_end(p) && peek(p) == close) {
-            p->i++;
-            return AXL_OK;
-        }
-        for (;;) {
-            if (c == '{') {
-                if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
-                if (peek(p) != '"') return fail(p, AXL_ST_ERR_SYNTAX, p->i);
-                if ((rc = parse_string(p, NULL, 0, &len))) return rc;
-                skip_ws(p);
-                if ((rc = expect(p, ':'))) return rc;
-                skip_ws(p);
-            }
+        if ((rc = open_container(p, c, close, AXL_ST_ERR_SYNTAX, &done))) return rc;
+        while (!done) {
+            if (c == '{' && (rc = parse_key(p, NULL, 0, &len))) return rc;
             if ((rc = skip_value(p, depth + 1))) return rc;
-            skip_ws(p);
-            if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
-            if (peek(p) == close) {
-                p->i++;
-                return AXL_OK;
-            }
-            if ((rc = expect(p, ','))) return rc;
-            skip_ws(p);
+            if ((rc = next_member(p, close, &done))) return rc;
         }
+        return AXL_OK;
     }
     if (c == '"') return parse_string(p, NULL, 0, &len);
     if (c == 't') return skip_literal(p, "true");
@@ -420,21 +417,15 @@ static int parse_metadata(parser *p) {
     int64_t len;
     if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
     if (peek(p) == 'n') return skip_literal(p, "null"); /* no metadata, as safetensors allows */
-    if (peek(p) != '{') return fail(p, AXL_ST_ERR_METADATA_NOT_OBJECT, p->i);
-    p->i++;
-    skip_ws(p);
-    if (!at_end(p) && peek(p) == '}') {
-        p->i++;
-        return AXL_OK;
-    }
-    do {
+    if ((rc = open_container(p, '{', '}', AXL_ST_ERR_METADATA_NOT_OBJECT, &done))) return rc;
+    while (!done) {
         if ((rc = parse_key(p, NULL, 0, &len))) return rc;
         if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
         /* strings only: safetensors refuses a null value too */
         if (peek(p) != '"') return fail(p, AXL_ST_ERR_METADATA_VALUE, p->i);
         if ((rc = parse_string(p, NULL, 0, &len))) return rc;
         if ((rc = next_member(p, '}', &done))) return rc;
-    } while (!done);
+    }
     return AXL_OK;
 }
 
@@ -444,15 +435,8 @@ static int parse_shape(parser *p, int64_t *ndim, int64_t *elements) {
     axl_st_header *h = p->out;
     *ndim = 0;
     *elements = 1;
-    if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
-    if (peek(p) != '[') return fail(p, AXL_ST_ERR_SHAPE_NOT_ARRAY, p->i);
-    p->i++;
-    skip_ws(p);
-    if (!at_end(p) && peek(p) == ']') {
-        p->i++;
-        return AXL_OK;
-    }
-    do {
+    if ((rc = open_container(p, '[', ']', AXL_ST_ERR_SHAPE_NOT_ARRAY, &done))) return rc;
+    while (!done) {
         const int64_t pos = p->i;
         int64_t d;
         if ((rc = parse_count(p, &d))) return rc;
@@ -469,7 +453,7 @@ static int parse_shape(parser *p, int64_t *ndim, int64_t *elements) {
         h->dims_used++;
         (*ndim)++;
         if ((rc = next_member(p, ']', &done))) return rc;
-    } while (!done);
+    }
     return AXL_OK;
 }
 
@@ -504,16 +488,7 @@ static int parse_entry(parser *p, axl_st_tensor *t) {
     int have_dtype = 0, have_shape = 0, have_offsets = 0;
     int64_t elements = 0;
     const int64_t entry_pos = p->i;
-    if (at_end(p)) return fail(p, AXL_ST_ERR_EOF, p->i);
-    if (peek(p) != '{') return fail(p, AXL_ST_ERR_ENTRY_NOT_OBJECT, p->i);
-    p->i++;
-    skip_ws(p);
-    if (!at_end(p) && peek(p) == '}') {
-        p->i++;
-        done = 1;
-    } else {
-        done = 0;
-    }
+    if ((rc = open_container(p, '{', '}', AXL_ST_ERR_ENTRY_NOT_OBJECT, &done))) return rc;
     while (!done) {
         uint8_t key[16];
         int64_t len;
@@ -689,15 +664,8 @@ int axl_st_parse_header(const uint8_t *header, int64_t n, int64_t file_size,
         e->value = n;
         return fail(&p, AXL_ST_ERR_HEADER_BEYOND_FILE, -1);
     }
-    if (n == 0) return fail(&p, AXL_ST_ERR_EOF, 0);
-    if (header[0] != '{') return fail(&p, AXL_ST_ERR_NOT_OBJECT, 0);
-    p.i = 1;
-    skip_ws(&p);
-    int done = 0, seen_metadata = 0;
-    if (!at_end(&p) && peek(&p) == '}') {
-        p.i++;
-        done = 1;
-    }
+    int done, seen_metadata = 0;
+    if ((rc = open_container(&p, '{', '}', AXL_ST_ERR_NOT_OBJECT, &done))) return rc;
     while (!done) {
         const int64_t key_pos = p.i;
         /* the name goes straight into names; a short local copy tells __metadata__ */
