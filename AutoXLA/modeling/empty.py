@@ -99,8 +99,14 @@ class _LargeFactoriesOnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self._FACTORIES and kwargs.get("device") is None:
-            size = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) \
-                else args if func is not torch.full else args[0]
+            # The size: positional ints (empty(2, 3)), one sequence (empty((2, 3)), full's
+            # first argument), or the size= keyword.
+            if not args:
+                size = kwargs.get("size", ())
+            elif func is torch.full or isinstance(args[0], (tuple, list, torch.Size)):
+                size = args[0]
+            else:
+                size = args
             try:
                 numel = 1
                 for n in size:

@@ -66,6 +66,23 @@ def test_per_stage_sizes_are_checked_one_by_one():
             check_sizes(SegformerConfig(num_attention_heads=heads))
 
 
+def test_large_factories_go_to_meta_in_every_calling_form():
+    """While the empty model is built, a tensor over 2**26 elements is made on meta however its
+    size is given; small ones (computed buffers) stay real."""
+    import torch
+
+    from AutoXLA.modeling.empty import _LargeFactoriesOnMeta
+
+    big = (2**14, 2**13)
+    with _LargeFactoriesOnMeta():
+        made = [torch.empty(*big), torch.empty(big), torch.zeros(size=big), torch.ones(big),
+                torch.full(big, 1.0), torch.full(size=big, fill_value=1.0), torch.randn(*big)]
+        small = [torch.full(size=(2, 3), fill_value=1.0), torch.empty(4), torch.arange(3)]
+    assert all(t.device.type == "meta" and tuple(t.shape) == big for t in made)
+    assert all(t.device.type == "cpu" for t in small)
+    assert torch.equal(small[0], torch.ones(2, 3))
+
+
 def test_an_enormous_vocab_is_planned_without_host_memory(tmp_path):
     """16 TB of embedding (10**9 x 4096 fp32): built on meta, so planning takes no memory."""
     import resource
