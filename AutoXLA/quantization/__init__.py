@@ -1,8 +1,14 @@
 """Weight quantization: QuantizationConfig, ModelQuantizer (alias LanguageModelQuantizer),
-QuantizedLinear and its three matmul backends (DESIGN.md section 5)."""
+QuantizedLinear and its three matmul backends, QuantizedEmbedding (DESIGN.md section 5), and the
+original AutoXLA's helpers (quantize_llm, get_model_size, int4 pack/unpack)."""
 from .config import LayerFormat, QuantizationConfig
+from .embedding import QuantizedEmbedding
+from .helpers import (pack_int4_to_int8, quantize_llm, quantize_llm_blockwise, quantize_llm_int4,
+                      quantize_llm_int8, unpack_int8_to_int4)
 from .linear import QuantizedLinear
-from .quantizer import LanguageModelQuantizer, ModelQuantizer, QuantizationReport
+from .quantizer import LanguageModelQuantizer, ModelQuantizer, QuantizationReport, get_model_size
 
 __all__ = ["LanguageModelQuantizer", "LayerFormat", "ModelQuantizer", "QuantizationConfig",
-           "QuantizationReport", "QuantizedLinear"]
+           "QuantizationReport", "QuantizedEmbedding", "QuantizedLinear", "get_model_size",
+           "pack_int4_to_int8", "quantize_llm", "quantize_llm_blockwise", "quantize_llm_int4",
+           "quantize_llm_int8", "unpack_int8_to_int4"]

@@ -3,8 +3,8 @@
 In the seed's order of preference:
   pallas    torch_xla's Pallas TPU kernel (torch.ops.xla.quantized_matmul_int8): per-channel
             symmetric int8, and int4 unpacked to int8 inside the graph; TPU only.
-  xla_op    torch.ops.xla.quantized_matmul: per-channel int8, symmetric or with a zero point.
-            Not int4 (torch_xla's int4 path copies the weight to the host on every call) and not
+  xla_op    torch.ops.xla.quantized_matmul: per-channel int8, symmetric or with a zero point
+            (never with use_xla_kernel=False). Not int4 (torch_xla's int4 path copies the weight to the host on every call) and not
             blockwise (it wants an (in/bs, bs, out) layout of its own).
   fallback  dequantize + matmul in plain torch ops, which XLA fuses: every format.
 A layer gets the first backend whose constraints it and the device meet (or the one the config
@@ -34,6 +34,8 @@ def _pallas_unmet(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu: bool) -> st
 
 
 def _xla_op_unmet(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu: bool) -> str | None:
+    if not cfg.use_xla_kernel:
+        return "use_xla_kernel=False"
     if fmt.bits != 8:
         return "torch_xla's int4 path copies the weight to the host on every call"
     if not fmt.per_channel:

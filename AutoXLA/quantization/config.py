@@ -2,14 +2,42 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 
 # Saved as config.json["quantization_config"]; bump on any change of the saved layout.
+# Version 2 adds int8 embedding tables (quantize_embeddings); a config without them is still
+# written as version 1, so such checkpoints stay readable by an AutoXLA that reads only version 1.
 FORMAT_VERSION = 1
+EMBEDDINGS_FORMAT_VERSION = 2
+READABLE_VERSIONS = (FORMAT_VERSION, EMBEDDINGS_FORMAT_VERSION)
 QUANT_METHOD = "autoxla"
 BITS = (8, 4)
 BACKENDS = ("auto", "pallas", "xla_op", "fallback")
 MIN_BLOCK, MAX_BLOCK, BLOCK_MULTIPLE = 32, 1024, 32
+# per_channel=False without a block_size: llama.cpp's Q4_0/Q8_0 block, the smallest block we
+# allow, which divides every width that is a multiple of 32 (nearly every model's hidden and
+# intermediate sizes); the finest grain also gives the best accuracy of the blockwise formats.
+DEFAULT_BLOCK = 32
+
+# Keywords of the original AutoXLA that change nothing here: each warns once per process.
+_WARNED: set[str] = set()
+_NO_EFFECT = {
+    "pack_4bit": ("pack_4bit=False has no effect: int4 weights are always stored packed two per "
+                  "byte (the C engine writes that layout and QuantizedLinear unpacks it inside "
+                  "the compiled graph; an unpacked int4 weight would cost as much as int8)"),
+    "auto_tune_block_sizes": (
+        "auto_tune_block_sizes=False has no effect: torch_xla's Pallas quantized matmul "
+        "(torch.ops.xla.quantized_matmul_int8) always looks up its own tuned block sizes and "
+        "ignores explicit ones (torch_xla 2.9's custom_kernel.quantized_matmul_int8 overwrites "
+        "them); shapes it has no tuned entry for run torch.ops.xla.quantized_matmul instead"),
+}
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 @dataclass(frozen=True)
@@ -62,6 +90,16 @@ class QuantizationConfig:
     quantize_lm_head: quantize the output projection too (off by default; tied heads stay float).
     backend: "auto" (Pallas, then torch.ops.xla.quantized_matmul, then the dequantize+matmul
         fallback, the first whose constraints the layer and device meet) or one of them by name.
+
+    Keywords of the original AutoXLA (docs/quantization.md):
+    per_channel: None = follow block_size; True = one scale per output channel (block_size must
+        be -1); False = blockwise, with DEFAULT_BLOCK (32) when block_size is -1.
+    quantize_embeddings: also store nn.Embedding tables as int8, one scale per row (always int8,
+        also with n_bits=4); a table tied to the output projection stays in full precision.
+    use_xla_kernel: False = never torch_xla's torch.ops.xla.quantized_matmul (backend "xla_op").
+    pack_4bit: True (int4 is always packed two per byte); False warns once that it is anyway.
+    auto_tune_block_sizes: True (the Pallas kernel picks its tuned block sizes itself); False
+        warns once that it cannot be turned off.
     """
 
     n_bits: int | None = None
@@ -73,6 +111,11 @@ class QuantizationConfig:
     quantize_lm_head: bool = False
     backend: str = "auto"
     bits: int | None = None
+    per_channel: bool | None = None
+    quantize_embeddings: bool = False
+    use_xla_kernel: bool = True
+    pack_4bit: bool = True
+    auto_tune_block_sizes: bool = True
 
     def __post_init__(self):
         if self.bits is not None and self.n_bits is not None and self.bits != self.n_bits:
@@ -89,7 +132,9 @@ class QuantizationConfig:
             raise ValueError(f"block_size={bs!r} is not supported; use -1 (per-channel) or a "
                              f"multiple of {BLOCK_MULTIPLE} from {MIN_BLOCK} to {MAX_BLOCK}, "
                              "e.g. 64 or 128")
-        for name in ("symmetric", "quantize_activation", "quantize_lm_head"):
+        self._resolve_per_channel()
+        for name in ("symmetric", "quantize_activation", "quantize_lm_head", "quantize_embeddings",
+                     "use_xla_kernel", "pack_4bit", "auto_tune_block_sizes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.use_pallas not in (None, True, False):
@@ -98,6 +143,13 @@ class QuantizationConfig:
             raise ValueError(f"backend={self.backend!r} is unknown; use one of {', '.join(BACKENDS)}")
         if self.backend == "pallas" and self.use_pallas is False:
             raise ValueError("backend='pallas' contradicts use_pallas=False; drop one of them")
+        if self.backend == "xla_op" and not self.use_xla_kernel:
+            raise ValueError("backend='xla_op' (torch.ops.xla.quantized_matmul) contradicts "
+                             "use_xla_kernel=False; drop one of them")
+        if not self.pack_4bit and self.n_bits == 4:   # int8 is never packed, here as there
+            _warn_once("pack_4bit", _NO_EFFECT["pack_4bit"])
+        if not self.auto_tune_block_sizes:
+            _warn_once("auto_tune_block_sizes", _NO_EFFECT["auto_tune_block_sizes"])
         if isinstance(self.exclude_layers, str):
             self.exclude_layers = [self.exclude_layers]
         self.exclude_layers = list(self.exclude_layers or [])
@@ -105,16 +157,38 @@ class QuantizationConfig:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"exclude_layers entries must be non-empty strings, got {p!r}")
 
+    def _resolve_per_channel(self) -> None:
+        """per_channel (the original's keyword) and block_size into one block_size; afterwards
+        per_channel is True exactly when block_size is -1."""
+        pc = self.per_channel
+        if pc not in (None, True, False):
+            raise ValueError(f"per_channel must be True, False or None (follow block_size), got {pc!r}")
+        self._default_block = pc is False and self.block_size == -1
+        if pc is True and self.block_size != -1:
+            raise ValueError(f"per_channel=True contradicts block_size={self.block_size} (one scale "
+                             "per output channel has no blocks); pass block_size=-1, or "
+                             "per_channel=False to quantize blockwise")
+        if self._default_block:
+            self.block_size = DEFAULT_BLOCK
+        self.per_channel = self.block_size == -1
+
     # -- per layer ------------------------------------------------------------------------
     def layer_format(self, name: str, in_features: int, out_features: int) -> LayerFormat:
         """The format of layer ``name``; a block size that does not divide it is an error."""
         block = in_features if self.block_size == -1 else self.block_size
         if in_features % block:
+            origin = (f" (per_channel=False's default block, {DEFAULT_BLOCK})"
+                      if getattr(self, "_default_block", False) else "")
             raise ValueError(
-                f"block_size={self.block_size} does not divide the input dimension "
+                f"block_size={self.block_size}{origin} does not divide the input dimension "
                 f"({in_features}) of layer {name!r}; choose a block size that divides it, use "
                 f"block_size=-1 (per-channel), or add {name!r} to exclude_layers")
         return LayerFormat(self.n_bits, self.symmetric, block, in_features, out_features)
+
+    def embedding_format(self, num_embeddings: int, embedding_dim: int) -> LayerFormat:
+        """An embedding table (vocab, hidden): int8 with one scale per row, whatever n_bits and
+        block_size say (a row is what a lookup reads, so it is the natural group)."""
+        return LayerFormat(8, self.symmetric, embedding_dim, embedding_dim, num_embeddings)
 
     def excludes(self, name: str) -> str | None:
         """The exclude_layers pattern that matches module ``name``, or None."""
@@ -125,10 +199,18 @@ class QuantizationConfig:
 
     # -- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The saved form. per_channel is folded into block_size and pack_4bit /
+        auto_tune_block_sizes change nothing, so none is saved; quantize_embeddings and
+        use_xla_kernel are saved only when not at their defaults, so a config that does not use
+        them is the version-1 dict, byte for byte."""
         d = asdict(self)
-        d.pop("bits")
+        for key in ("bits", "per_channel", "pack_4bit", "auto_tune_block_sizes"):
+            d.pop(key)
+        for key, default in (("quantize_embeddings", False), ("use_xla_kernel", True)):
+            if d[key] == default:
+                d.pop(key)
         d["quant_method"] = QUANT_METHOD
-        d["format_version"] = FORMAT_VERSION
+        d["format_version"] = EMBEDDINGS_FORMAT_VERSION if self.quantize_embeddings else FORMAT_VERSION
         return d
 
     @classmethod
@@ -139,9 +221,13 @@ class QuantizationConfig:
             raise ValueError(f"quantization_config has quant_method={method!r}; AutoXLA reads only "
                              f"its own ({QUANT_METHOD!r}) checkpoints")
         version = d.pop("format_version", FORMAT_VERSION)
-        if version != FORMAT_VERSION:
-            raise ValueError(f"quantization_config format_version {version} is not the one this "
-                             f"AutoXLA writes ({FORMAT_VERSION}); upgrade AutoXLA or re-quantize")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"quantization_config format_version {version} is not one this "
+                             f"AutoXLA reads {READABLE_VERSIONS}; upgrade AutoXLA or re-quantize")
+        if version == FORMAT_VERSION and d.get("quantize_embeddings"):
+            raise ValueError(f"quantization_config format_version {FORMAT_VERSION} has no "
+                             "quantized embeddings, but says quantize_embeddings=True; the "
+                             "config.json was edited or is damaged: re-save the checkpoint")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -150,5 +236,6 @@ class QuantizationConfig:
 
     def same_weights_as(self, other: "QuantizationConfig") -> bool:
         """True when both produce the same stored tensors (runtime-only settings may differ)."""
-        keys = ("n_bits", "block_size", "symmetric", "exclude_layers", "quantize_lm_head")
+        keys = ("n_bits", "block_size", "symmetric", "exclude_layers", "quantize_lm_head",
+                "quantize_embeddings")
         return all(getattr(self, k) == getattr(other, k) for k in keys)

@@ -1,4 +1,5 @@
-"""ModelQuantizer: swaps a model's nn.Linear layers for QuantizedLinear.
+"""ModelQuantizer: swaps a model's nn.Linear layers for QuantizedLinear (and, with
+quantize_embeddings, its nn.Embedding tables for QuantizedEmbedding).
 
 Works on a model whose weights are on the meta device (the loader's case: the swap happens before
 any weight is read, and the loader fills the quantized buffers from the C engine as it streams),
@@ -19,6 +20,7 @@ from .. import _native, saving
 from ..module_swap import repointing_references
 from .backends import ACTIVATION_QUANT, choose
 from .config import LayerFormat, QuantizationConfig
+from .embedding import GATHER, QuantizedEmbedding
 from .linear import SCALE_DTYPE, QuantizedLinear
 
 logger = logging.getLogger("AutoXLA")
@@ -56,8 +58,10 @@ class QuantizationReport:
             d.median_sqnr_db = float(sq.median()) if sq.numel() else math.inf
 
     def __str__(self) -> str:
-        lines = [f"AutoXLA quantization: {len(self.layers)} linear(s) quantized, "
-                 f"{len(self.skipped)} kept in full precision; model weights "
+        tables = sum(1 for d in self.layers.values() if d.backend == GATHER)
+        lines = [f"AutoXLA quantization: {len(self.layers) - tables} linear(s) "
+                 + (f"and {tables} embedding table(s) " if tables else "")
+                 + f"quantized, {len(self.skipped)} kept in full precision; model weights "
                  f"{self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB "
                  f"({self.bytes_after / max(self.bytes_before, 1):.1%})"]
         by_kind: dict[tuple, int] = {}
@@ -101,8 +105,20 @@ def quantize_tensor(w: torch.Tensor, fmt: LayerFormat, name: str = "", stats: bo
         raise ValueError(f"cannot quantize {name or 'a weight'}: {e.detail}") from e
 
 
+def get_model_size(model: nn.Module) -> dict[str, float]:
+    """The model's bytes in MiB, as the original reports them: ``param_size_mb`` (parameters),
+    ``buffer_size_mb`` (all buffers, quantized weights and scales included, computed ones too)
+    and ``total_size_mb``; a tensor shared by two names counts once. Works on the meta device."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"param_size_mb": params / 2**20, "buffer_size_mb": buffers / 2**20,
+            "total_size_mb": (params + buffers) / 2**20}
+
+
 class ModelQuantizer:
     """``ModelQuantizer(config).quantize_model(model) -> model`` (also ``LanguageModelQuantizer``)."""
+
+    get_model_size = staticmethod(get_model_size)
 
     def __init__(self, config: QuantizationConfig | None = None, **kwargs):
         if config is None:
@@ -153,6 +169,8 @@ class ModelQuantizer:
                 pallas_refused.append(passed_over[0] if passed_over else backend)
             act = cfg.quantize_activation and backend in ACTIVATION_QUANT
             report.layers[name] = LayerDecision(name, fmt, backend, passed_over, act)
+        if cfg.quantize_embeddings:
+            self._plan_embeddings(model, tied_names, report, matched)
         for p in cfg.exclude_layers:
             if p not in matched:
                 msg = (f"exclude_layers pattern {p!r} matches no linear layer of "
@@ -172,6 +190,38 @@ class ModelQuantizer:
             report.warnings.append(msg)
             warnings.warn(msg, stacklevel=3)
         return report
+
+    def _plan_embeddings(self, model: nn.Module, tied_names: set[str], report, matched: set) -> None:
+        """quantize_embeddings: every plain nn.Embedding table becomes int8, one scale per row."""
+        tied_tables = []
+        for name, m in model.named_modules():
+            if not isinstance(m, nn.Embedding) or isinstance(m, QuantizedEmbedding):
+                continue
+            pattern = self.config.excludes(name)
+            if pattern is not None:
+                matched.add(pattern)
+                report.skipped[name] = f"excluded by exclude_layers pattern {pattern!r}"
+            elif f"{name}.weight" in tied_names:
+                # One tensor cannot be an int8 table and the head's float weight at once; an int8
+                # head sharing the table would change the logits' format without being asked.
+                tied_tables.append(name)
+                report.skipped[name] = ("its table is tied to the output projection "
+                                        "(tie_word_embeddings): quantizing it would untie them")
+            elif type(m).forward is not nn.Embedding.forward:
+                # e.g. Gemma's scaled embeddings multiply by a factor cast to self.weight.dtype,
+                # which an int8 table would truncate.
+                report.skipped[name] = (f"{type(m).__name__} has its own forward, which may read "
+                                        "the float table; it stays in full precision")
+            elif m.max_norm is not None:
+                report.skipped[name] = "max_norm renormalises the float table at lookup"
+            else:
+                fmt = self.config.embedding_format(m.num_embeddings, m.embedding_dim)
+                report.layers[name] = LayerDecision(name, fmt, GATHER, [], False)
+        if tied_tables:
+            msg = (f"quantize_embeddings=True, but {', '.join(tied_tables)} is tied to the output "
+                   "projection (tie_word_embeddings), so it stays in full precision with the head")
+            report.warnings.append(msg)
+            warnings.warn(msg, stacklevel=4)
 
     def quantize_model(self, model: nn.Module, tied: dict[str, str] | None = None,
                        on_tpu: bool | None = None) -> nn.Module:
@@ -202,14 +252,18 @@ class ModelQuantizer:
             path, _, leaf = name.rpartition(".")
             parent = model.get_submodule(path)      # "" is the model itself
             old = getattr(parent, leaf)
-            new = _quantized_like(old, d)
+            table = d.backend == GATHER
+            new = _quantized_table_like(old, d) if table else _quantized_like(old, d)
             if old.weight.device.type != "meta":
                 q = quantize_tensor(old.weight.detach().cpu(), d.fmt, name)
                 report.record_stats(name, q)
                 dev = old.weight.device
-                new.load_quantized(q.q.to(dev), q.scale.to(dev),
-                                   None if q.zero_point is None else q.zero_point.to(dev),
-                                   None if old.bias is None else old.bias.detach())
+                tensors = (q.q.to(dev), q.scale.to(dev),
+                           None if q.zero_point is None else q.zero_point.to(dev))
+                if table:
+                    new.load_quantized(*tensors)
+                else:
+                    new.load_quantized(*tensors, None if old.bias is None else old.bias.detach())
             setattr(parent, leaf, new)
 
 
@@ -224,6 +278,11 @@ def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:
     if old.bias is not None:
         new.bias.requires_grad_(old.bias.requires_grad)
     return new
+
+
+def _quantized_table_like(old: nn.Embedding, d: LayerDecision) -> QuantizedEmbedding:
+    return QuantizedEmbedding(d.fmt, padding_idx=old.padding_idx, dtype=old.weight.dtype,
+                              device=old.weight.device)
 
 
 def _shared_parameter_names(model: nn.Module) -> set[str]:

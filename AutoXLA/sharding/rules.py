@@ -59,7 +59,9 @@ def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embeddin
     if is_buffer and not quantized:
         return Rule(BUFFER, (None,) * rank)
     if isinstance(module, nn.Embedding) and leaf == "weight":
-        return Rule(EMBEDDING, ("fsdp", "model"))
+        return Rule(EMBEDDING, ("fsdp", "model"))   # float, or int8 (quantization/embedding.py)
+    if isinstance(module, nn.Embedding) and leaf in QUANT_SIDECARS:
+        return Rule(SCALE, ("fsdp", None))   # an int8 table's per-row scale follows its vocab split
     if isinstance(module, nn.Linear) or quantized:
         if leaf in QUANT_SIDECARS:
             return _sidecar_rule(_linear_rule("weight", mod_name, module is output_embedding, config),

@@ -1,0 +1,72 @@
+"""QuantizedEmbedding: an nn.Embedding whose table is stored as int8 on its device.
+
+Stored tensors (persistent buffers, named as QuantizedLinear's so that the loader, the plan and
+save_pretrained treat both alike):
+  weight             int8 (num_embeddings, embedding_dim): the table, per row
+  weight_scale       bfloat16 (num_embeddings, 1): one scale per row (SCALE_DTYPE)
+  weight_zero_point  int8 (num_embeddings, 1), asymmetric formats only
+A lookup gathers the rows of the int8 table and their scales and dequantizes only those rows, with
+the arithmetic of linear.dequantize (fp32, one rounding to the output dtype), so the full-precision
+table never exists on the device.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import LayerFormat
+from .linear import SCALE_DTYPE
+
+# The plan records this as the quantized table's "backend" (its lookup is a gather).
+GATHER = "gather"
+
+
+class QuantizedEmbedding(nn.Embedding):
+    """An int8 embedding table; ``isinstance(m, nn.Embedding)`` stays true, so the sharding
+    rules (and transformers' get_input_embeddings) see an embedding."""
+
+    def __init__(self, fmt: LayerFormat, padding_idx: int | None = None,
+                 dtype: torch.dtype = torch.float32, device=None):
+        nn.Module.__init__(self)   # not nn.Embedding's: it would allocate a float table
+        if fmt.bits != 8 or not fmt.per_channel:
+            raise ValueError(f"QuantizedEmbedding stores int8 with one scale per row, got {fmt.label}")
+        # The sharding rules recognise a quantized module by this attribute (rules.classify).
+        self.quant_format = fmt
+        self.backend = GATHER
+        self.num_embeddings, self.embedding_dim = fmt.out_features, fmt.in_features
+        self.padding_idx = padding_idx
+        self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
+        self.output_dtype = dtype   # the float table's dtype: what a lookup returns
+        self.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(fmt.scale_shape, dtype=SCALE_DTYPE,
+                                                         device=device))
+        if not fmt.symmetric:
+            self.register_buffer("weight_zero_point", torch.zeros(fmt.scale_shape, dtype=torch.int8,
+                                                                  device=device))
+        else:
+            self.weight_zero_point = None
+
+    def load_quantized(self, q: torch.Tensor, scale: torch.Tensor,
+                       zero_point: torch.Tensor | None) -> None:
+        """Install the C engine's tensors in place of the zero buffers."""
+        for name, value in (("weight", q), ("weight_scale", scale), ("weight_zero_point", zero_point)):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            if value is None or tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
+                raise ValueError(f"{name} must be {old.dtype} of shape {tuple(old.shape)} for an "
+                                 f"{self.quant_format.label} table, got "
+                                 f"{None if value is None else (value.dtype, tuple(value.shape))}")
+            self._buffers[name] = value
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = self.weight.index_select(0, flat).to(torch.float32)
+        if self.weight_zero_point is not None:
+            rows = rows - self.weight_zero_point.index_select(0, flat).to(torch.float32)
+        rows = rows * self.weight_scale.index_select(0, flat).to(torch.float32)
+        return rows.to(self.output_dtype).reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, format={self.quant_format.label}"
+                + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""))
