@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from .sharding.mesh import AXES, MeshShape, validate_mesh_axes
+from .sharding.mesh import AXES, MeshShape, canonical_device_ids, validate_mesh_axes
 
 
 # Virtual XLA:CPU devices share this host's cores and memory: more than this is a typo.
@@ -155,13 +155,24 @@ def make_mesh(shape: MeshShape):
     return xs.Mesh(np.arange(n), shape.sizes, AXES)
 
 
-def check_user_mesh(mesh) -> MeshShape:
-    """Validates a user-supplied torch_xla Mesh and returns its axis sizes."""
+def adopt_user_mesh(mesh):
+    """Validates a user-supplied torch_xla Mesh; returns (its axis sizes, the mesh to shard over).
+
+    A mesh with all three axes is used as it is. One with a subset of them (the original
+    AutoXLA's ``("fsdp", "model")``, ``("data",)``, ...) is replaced by the ``(data, fsdp,
+    model)`` mesh that places every device at the same coordinates, so the plan's specs (which
+    name all three axes) apply and the user's own annotations on their mesh stay consistent.
+    """
     names = getattr(mesh, "axis_names", None)
     sizes = getattr(mesh, "mesh_shape", None)
     if sizes is None or not hasattr(mesh, "get_op_sharding"):
         raise TypeError(f"mesh must be a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
-    return validate_mesh_axes(names, sizes, device_count())
+    shape = validate_mesh_axes(names, sizes, device_count())
+    if set(names or ()) == set(AXES):
+        return shape, mesh
+    _, _, xs = _xla()
+    ids = canonical_device_ids(mesh.device_ids, sizes, names)
+    return shape, xs.Mesh(np.asarray(ids), shape.sizes, AXES)
 
 
 def patch_linear_for_spmd(model) -> None:

@@ -131,21 +131,25 @@ def mesh_shape_for(strategy: str, num_devices: int) -> MeshShape:
 def validate_mesh_axes(axis_names, mesh_shape, num_devices: int) -> MeshShape:
     """Checks a user mesh (names and sizes); returns its MeshShape.
 
-    A user mesh must name the three axes (sizes may be 1) so that the rule table applies, and its
-    sizes must multiply to the device count, since XLA does not run sub-meshes.
+    A user mesh names some of the axes ``data``, ``fsdp``, ``model`` (in any order, each at most
+    once); the ones it leaves out have size 1, so the original AutoXLA's meshes
+    (``("fsdp", "model")``, ``("data", "model")``, ``("data",)``) work as they are. Its sizes must
+    multiply to the device count, since XLA does not run sub-meshes.
     """
     names = tuple(axis_names or ())
     sizes = tuple(int(s) for s in mesh_shape)
-    missing = [a for a in AXES if a not in names]
-    if missing or len(names) != len(sizes):
-        raise ValueError(
-            f"mesh axes {names} lack {missing}: AutoXLA needs a mesh with axis names "
-            f"{AXES} (use size 1 for an unused axis), e.g. "
-            f"Mesh(np.arange({num_devices}), (1, {num_devices}, 1), {AXES})"
-        )
+    example = f"Mesh(np.arange({num_devices}), (1, {num_devices}, 1), {AXES})"
+    if len(names) != len(sizes):
+        raise ValueError(f"mesh has {len(sizes)} dimensions {sizes} but {len(names)} axis names "
+                         f"{names}: name every dimension with one of {AXES}, e.g. {example}")
     extra = [a for a in names if a not in AXES]
     if extra:
-        raise ValueError(f"mesh has unknown axes {extra}; AutoXLA meshes have exactly {AXES}")
+        raise ValueError(f"mesh has unknown axes {extra}; AutoXLA meshes use some of {AXES} "
+                         f"(a missing axis has size 1), e.g. {example}")
+    repeated = sorted({a for a in names if names.count(a) > 1})
+    if repeated:
+        raise ValueError(f"mesh names axis {repeated} more than once in {names}; name each "
+                         f"dimension with a different one of {AXES}")
     total = math.prod(sizes)
     if total != num_devices:
         raise ValueError(
@@ -153,4 +157,20 @@ def validate_mesh_axes(axis_names, mesh_shape, num_devices: int) -> MeshShape:
             f"XLA needs a mesh over all devices: make the sizes multiply to {num_devices}"
         )
     by_name = dict(zip(names, sizes))
-    return MeshShape(*(by_name[a] for a in AXES))
+    return MeshShape(*(by_name.get(a, 1) for a in AXES))
+
+
+def canonical_device_ids(device_ids, mesh_shape, axis_names) -> tuple[int, ...]:
+    """The device ids of a mesh with some of the axes, laid out as the ``(data, fsdp, model)``
+    mesh that puts every device at the same coordinates (missing axes have size 1).
+
+    A mesh's device ids fill its shape in row-major order; transposing to the canonical axis
+    order and inserting size-1 axes keeps each device's coordinate on every named axis.
+    """
+    import numpy as np
+
+    names = tuple(axis_names or ())
+    grid = np.asarray(device_ids).reshape(tuple(int(s) for s in mesh_shape))
+    present = [a for a in AXES if a in names]
+    grid = grid.transpose([names.index(a) for a in present])
+    return tuple(int(i) for i in grid.reshape(-1))

@@ -26,12 +26,13 @@ def test_auto_shard_false_needs_a_mesh(checkpoints):
         AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], auto_shard=False)
 
 
-def test_mesh_missing_an_axis(checkpoints, xla_devices):
+def test_mesh_with_an_axis_named_otherwise(checkpoints, xla_devices):
+    # A mesh missing an axis is fine (size 1, tests/compat/test_options.py); a foreign name is not.
     import numpy as np
     from torch_xla.distributed.spmd import Mesh
 
-    mesh = Mesh(np.arange(8), (4, 2), ("fsdp", "model"))
-    with pytest.raises(ValueError, match=r"lack \['data'\].*size 1 for an unused axis"):
+    mesh = Mesh(np.arange(8), (4, 2), ("fsdp", "tensor"))
+    with pytest.raises(ValueError, match=r"unknown axes \['tensor'\].*a missing axis has size 1"):
         AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], mesh=mesh)
 
 

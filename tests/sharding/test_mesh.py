@@ -41,9 +41,25 @@ def test_unknown_strategy_lists_valid_ones(bad):
 
 def test_user_mesh_validation():
     assert validate_mesh_axes(("model", "fsdp", "data"), (2, 4, 1), 8) == MeshShape(1, 4, 2)
-    with pytest.raises(ValueError, match=r"lack \['model'\]"):
-        validate_mesh_axes(("data", "fsdp"), (2, 4), 8)
+    # A subset of the axes (the original AutoXLA's meshes): the missing ones have size 1.
+    assert validate_mesh_axes(("data", "fsdp"), (2, 4), 8) == MeshShape(2, 4, 1)
+    assert validate_mesh_axes(("data",), (8,), 8) == MeshShape(8, 1, 1)
+    with pytest.raises(ValueError, match=r"2 dimensions \(2, 4\) but 1 axis names"):
+        validate_mesh_axes(("data",), (2, 4), 8)
     with pytest.raises(ValueError, match=r"covers 4 devices but the runtime has 8"):
         validate_mesh_axes(("data", "fsdp", "model"), (1, 2, 2), 8)
     with pytest.raises(ValueError, match=r"unknown axes \['pipe'\]"):
         validate_mesh_axes(("data", "fsdp", "model", "pipe"), (1, 2, 2, 2), 8)
+
+
+def test_canonical_device_ids_keep_every_devices_coordinates():
+    import numpy as np
+
+    from AutoXLA.sharding.mesh import canonical_device_ids
+
+    ids = np.random.default_rng(0).permutation(8)
+    user = ids.reshape(2, 4)                      # axes ("model", "fsdp")
+    canonical = np.asarray(canonical_device_ids(ids, (2, 4), ("model", "fsdp"))).reshape(1, 4, 2)
+    for m in range(2):
+        for f in range(4):
+            assert canonical[0, f, m] == user[m, f]
