@@ -9,7 +9,8 @@ two of ours: ``layers`` (which decoder layers use the kernel; the rest stay eage
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 IMPLEMENTATIONS = ("eager", "xla_flash_attention", "splash_attention")
@@ -21,6 +22,11 @@ _BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_d
                "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
 _LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 _BATCH = ("data", "fsdp")
+# The original AutoXLA's key -> ours (torch_xla's field name).
+_ALIASES = {"AttentionType_LOCAL_SLIDING": "attentiontype_local_sliding",
+            "SLIDE_WINDOW_SIZE": "slide_window_size"}
+# Axis names other libraries use for ours: the original AutoXLA's splash specs say "mp".
+_AXIS_ALIASES = {"mp": "model"}
 
 
 @dataclass(frozen=True)
@@ -43,11 +49,22 @@ class AttentionConfig:
     qkv_partition_spec: tuple | None = None   # None: batch on (data, fsdp), heads on model
     segment_ids_partition_spec: tuple = (_BATCH, None)
     layers: tuple[int, ...] | None = None     # decoder layer indices to patch; None: all
-    # torch_xla's own window fields: set per layer by AutoXLA, not by the user.
+    # torch_xla's window fields. Set by the user, every patched layer attends within
+    # slide_window_size keys before the query (torch_xla's LocalMask(w, w): q - w <= k), on top of
+    # any window the model's own config gives the layer; AutoXLA fills in the effective window of
+    # each layer when it calls the kernel.
     attentiontype_local_sliding: bool = False
     slide_window_size: int | None = None
+    # The original AutoXLA's spellings of the two window fields (constructor only).
+    AttentionType_LOCAL_SLIDING: InitVar[bool | None] = None
+    SLIDE_WINDOW_SIZE: InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, AttentionType_LOCAL_SLIDING=None, SLIDE_WINDOW_SIZE=None):
+        for alias, name in ((AttentionType_LOCAL_SLIDING, "attentiontype_local_sliding"),
+                            (SLIDE_WINDOW_SIZE, "slide_window_size")):
+            if alias is not None:
+                object.__setattr__(self, name, alias)
+        self._check_window()
         for key in _BLOCK_KEYS:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -71,6 +88,43 @@ class AttentionConfig:
                                  f"(ints >= 0), got {self.layers!r}")
             object.__setattr__(self, "layers", tuple(sorted(set(layers))))
 
+    def _check_window(self) -> None:
+        sliding, size = self.attentiontype_local_sliding, self.slide_window_size
+        if not isinstance(sliding, bool):
+            raise ValueError(f"attention_config['AttentionType_LOCAL_SLIDING'] must be True or "
+                             f"False, got {sliding!r}")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise ValueError(f"attention_config['SLIDE_WINDOW_SIZE'] must be an int >= 0 (keys "
+                             f"before the query each query sees), got {size!r}")
+        if sliding and size is None:
+            raise ValueError("attention_config['AttentionType_LOCAL_SLIDING'] = True needs "
+                             "'SLIDE_WINDOW_SIZE': how many keys before the query each query sees")
+        if size is not None and not sliding:
+            raise ValueError(f"attention_config['SLIDE_WINDOW_SIZE'] = {size} takes effect only "
+                             "with 'AttentionType_LOCAL_SLIDING': True; set it, or drop the size")
+
+    def window(self, layer_window: int | None) -> int | None:
+        """The window a patched layer attends within, in transformers' convention (a query sees
+        ``W`` keys, itself included): the model's own window for the layer, narrowed by the
+        user's sliding setting (``slide_window_size`` keys before the query: ``W = size + 1``)."""
+        if not self.attentiontype_local_sliding:
+            return layer_window
+        user = self.slide_window_size + 1
+        return user if layer_window is None else min(user, layer_window)
+
+    def to_json(self) -> str:
+        """Every field as JSON (the original AutoXLA's SplashAttentionConfig.to_json)."""
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "AttentionConfig":
+        """The inverse of ``to_json``; also reads torch_xla's and the original's JSON."""
+        try:
+            value = json.loads(text)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"attention config JSON does not parse: {e}") from None
+        return cls.from_any(value)
+
     @classmethod
     def from_any(cls, value: Any) -> "AttentionConfig":
         """None, a dict with the seed's keys, a SplashAttentionConfig, or an AttentionConfig."""
@@ -83,11 +137,16 @@ class AttentionConfig:
         if not isinstance(value, dict):
             raise TypeError(f"attention_config must be a dict of SplashAttentionConfig fields, a "
                             f"SplashAttentionConfig or an AttentionConfig, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | set(_ALIASES)
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"unknown attention_config key(s) {unknown}; valid keys: "
                              f"{', '.join(sorted(known))}")
+        value = dict(value)
+        for alias, name in _ALIASES.items():
+            if alias in value and name in value and value[alias] != value.pop(name):
+                raise ValueError(f"attention_config has both {alias!r} and {name!r} with "
+                                 "different values; they are the same setting: pass one")
         return cls(**value)
 
     def with_mesh(self, mesh) -> "AttentionConfig":
@@ -115,9 +174,9 @@ class AttentionConfig:
 def _as_spec(spec, key: str, rank: int) -> tuple:
     def entry(e):
         if e is None or isinstance(e, str):
-            return e
+            return _AXIS_ALIASES.get(e, e)
         if isinstance(e, (list, tuple)) and all(isinstance(a, str) for a in e):
-            return tuple(e)
+            return tuple(_AXIS_ALIASES.get(a, a) for a in e)
         raise ValueError(f"attention_config[{key!r}]: {e!r} is not an axis name, a tuple of "
                          "them, or None")
     if not isinstance(spec, (list, tuple)) or len(spec) != rank:
@@ -127,17 +186,22 @@ def _as_spec(spec, key: str, rank: int) -> tuple:
 
 
 def _mesh_key(text: str):
-    """(device ids, shape, axis names) of a ``str(Mesh)``, or a ValueError saying how to make one."""
+    """(device ids, sizes) of a ``str(Mesh)`` as the ``(data, fsdp, model)`` mesh that puts every
+    device at the same coordinates, so a mesh with a subset of the axes (the original AutoXLA's
+    ``("fsdp", "model")``) describes the same mesh as its three-axis form; or a ValueError
+    saying how to make one."""
     import ast
+
+    from ..sharding.mesh import canonical_device_ids, validate_mesh_axes
 
     try:
         d = ast.literal_eval(text.replace("Mesh", "", 1))
-        key = (tuple(d["device_ids"]), tuple(d["mesh_shape"]), tuple(d["axis_names"] or ()))
+        ids, sizes, names = tuple(d["device_ids"]), tuple(d["mesh_shape"]), tuple(d["axis_names"] or ())
     except (ValueError, SyntaxError, KeyError, TypeError):
         raise ValueError(f"attention_config['mesh'] = {text!r} is not a mesh string: use "
                          "str(mesh) of a torch_xla.distributed.spmd.Mesh") from None
-    missing = [a for a in _BATCH if a not in key[2]]
-    if missing:
-        raise ValueError(f"attention_config['mesh'] has axes {key[2]}; splash attention needs "
-                         f"axes named {_BATCH} (missing {missing})")
-    return key
+    try:
+        shape = validate_mesh_axes(names, sizes, len(ids))
+    except ValueError as e:
+        raise ValueError(f"attention_config['mesh'] does not describe an AutoXLA mesh: {e}") from None
+    return canonical_device_ids(ids, sizes, names), shape.sizes

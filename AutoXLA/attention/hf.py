@@ -142,6 +142,11 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
         structured = causal and sq == skv
     else:                                        # a ready-made 4D mask (bool or additive)
         structured, dense = False, attention_mask
+    if layer.config.attentiontype_local_sliding:   # the user's window, on top of the model's
+        if dense is None:
+            window = layer.config.window(window)
+        else:
+            dense = _narrow_to_window(dense, layer.config.window(None))
 
     from .. import backend
 
@@ -162,6 +167,19 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
         mask=dense, q_offset=skv - sq if dense is None else 0,
         block_q=block_q, block_kv=block_kv)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _narrow_to_window(mask: torch.Tensor, window: int) -> torch.Tensor:
+    """A causal [B, 1, Sq, Skv] mask (bool, or additive with 0 where allowed) narrowed to the
+    last ``window`` keys of each query. A causal row's last allowed key is the query's own cache
+    position, which is where transformers' sliding window reaches back from."""
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(allowed, cols, -1).amax(dim=-1, keepdim=True)
+    narrowed = allowed & (cols > last - window)
+    if mask.dtype == torch.bool:
+        return narrowed
+    return mask.masked_fill(~narrowed, torch.finfo(mask.dtype).min)
 
 
 def _on_tpu(layer, query, key, value, scale, window, softcap, segments):

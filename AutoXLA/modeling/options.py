@@ -21,10 +21,12 @@ class LoadOptions:
     auto_wrap_policy: Callable | None = None
     shard_output_callable: Callable | None = None
     gradient_checkpointing: bool = False
-    verbose: bool = False
+    verbose: bool | None = None         # None: a progress bar on a terminal; True: also the plan
     dtype: Any = "auto"
     attn_implementation: str = "eager"
     attention_config: Any = None        # AttentionConfig once validated (kernels only)
+    attention_layer_indices: Any = None   # the original AutoXLA's attention_config["layers"]
+    attention_partition_spec: Any = None  # the original's q/k/v spec: qkv_partition_spec
     trust_remote_code: bool = False
     use_safetensors: bool | None = None
     xla_patch_linear: bool = False      # torch_xla's einsum nn.Linear, applied before sharding
@@ -55,11 +57,14 @@ class LoadOptions:
             raise ValueError("auto_shard=False needs mesh=: pass the Mesh to shard over, or keep "
                              "auto_shard=True to build one from sharding_strategy")
         impl = self.attn_implementation or "eager"
-        if impl not in ATTENTION_IMPLEMENTATIONS:
+        if not isinstance(impl, str) or impl.strip().lower() not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"unknown attn_implementation {impl!r}; use one of "
-                             f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
-        self.attn_implementation = impl
+                             f"{', '.join(ATTENTION_IMPLEMENTATIONS)} (case-insensitive)")
+        self.attn_implementation = impl.strip().lower()
         self._validate_attention()
+        if self.verbose not in (None, True, False):
+            raise TypeError(f"verbose must be True, False or None (a progress bar on a "
+                            f"terminal), got {self.verbose!r}")
         if self.dtype not in ("auto", None) and not isinstance(self.dtype, torch.dtype):
             if isinstance(self.dtype, str) and isinstance(getattr(torch, self.dtype, None), torch.dtype):
                 self.dtype = getattr(torch, self.dtype)
@@ -87,14 +92,21 @@ class LoadOptions:
 
     def _validate_attention(self) -> None:
         from ..attention import AttentionConfig
+        from ..attention.hf import warn_once
 
+        cfg = AttentionConfig.from_any(self.attention_config)   # checked even when unused
+        cfg = _with_original_keywords(cfg, self.attention_layer_indices,
+                                      self.attention_partition_spec)
+        self.attention_layer_indices = self.attention_partition_spec = None
         if self.attn_implementation == "eager":
-            if self.attention_config is not None:
-                raise ValueError("attention_config configures the attention kernels, but "
-                                 "attn_implementation is 'eager': pass attn_implementation="
-                                 "'splash_attention' or 'xla_flash_attention', or drop attention_config")
+            if cfg != AttentionConfig():
+                warn_once("eager-attention-config", "attention_config (or attention_layer_indices"
+                          " / attention_partition_spec) configures the attention kernels, but "
+                          "attn_implementation is 'eager': it is ignored. Pass "
+                          "attn_implementation='splash_attention' or 'xla_flash_attention' to use it")
+            self.attention_config = None
             return
-        self.attention_config = AttentionConfig.from_any(self.attention_config)
+        self.attention_config = cfg
 
     def _validate_quantization(self) -> None:
         from ..quantization import QuantizationConfig
@@ -114,3 +126,31 @@ class LoadOptions:
             cfg = QuantizationConfig()   # int8 per-channel symmetric
         self.quantization_config = cfg
         self.do_quant = cfg is not None
+
+
+def _with_original_keywords(cfg, layer_indices, partition_spec):
+    """The original AutoXLA's two attention keywords folded into the AttentionConfig:
+    ``attention_layer_indices`` is ``layers``; ``attention_partition_spec`` is the q/k/v spec,
+    given whole (4 entries) or as (batch, heads) for [batch, heads, seq, head_dim]."""
+    import dataclasses
+
+    from ..attention import AttentionConfig
+
+    changes = {}
+    if layer_indices is not None:
+        layers = AttentionConfig(layers=layer_indices).layers
+        if cfg.layers is not None and cfg.layers != layers:
+            raise ValueError(f"attention_layer_indices={list(layers)} and attention_config"
+                             f"['layers']={list(cfg.layers)} disagree; they are the same "
+                             "setting: pass one of them")
+        changes["layers"] = layers
+    if partition_spec is not None:
+        spec = tuple(partition_spec) if isinstance(partition_spec, (list, tuple)) else partition_spec
+        if isinstance(spec, tuple) and len(spec) == 2:
+            spec = spec + (None, None)
+        spec = AttentionConfig(qkv_partition_spec=spec).qkv_partition_spec
+        if cfg.qkv_partition_spec is not None and cfg.qkv_partition_spec != spec:
+            raise ValueError(f"attention_partition_spec={partition_spec!r} and attention_config"
+                             f"['qkv_partition_spec']={cfg.qkv_partition_spec!r} disagree; pass one")
+        changes["qkv_partition_spec"] = spec
+    return dataclasses.replace(cfg, **changes) if changes else cfg

@@ -132,7 +132,7 @@ def patch_linears(model: nn.Module, opts: LoadOptions) -> None:
 def make_plan(resolved: Resolved, opts: LoadOptions):
     """Step 2: the mesh and the plan of every tensor on it."""
     if opts.mesh is not None:
-        shape, mesh, strategy = backend.check_user_mesh(opts.mesh), opts.mesh, "custom mesh"
+        (shape, mesh), strategy = backend.adopt_user_mesh(opts.mesh), "custom mesh"
     else:
         shape = mesh_shape_for(opts.sharding_strategy, backend.device_count())
         mesh, strategy = backend.make_mesh(shape), opts.sharding_strategy
@@ -141,7 +141,8 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
     return plan, mesh
 
 
-def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint, verbose: bool = False) -> None:
+def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
+         verbose: bool | None = False) -> None:
     """Step 3: stream every tensor from the checkpoint into its sharded place on the devices."""
     state = (ckpt.load_pickle_state(checkpoint.pickle_files, checkpoint.pickle_map)
              if checkpoint.is_pickle else None)
@@ -327,11 +328,13 @@ def _assign(owner: nn.Module, leaf: str, value: torch.Tensor, is_buffer: bool) -
         owner._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
 
 
-def _progress(plan: Plan, verbose: bool):
+def _progress(plan: Plan, verbose: bool | None):
+    """A bar as transformers shows while loading: by default only on a terminal (tqdm's
+    disable=None), always with verbose=True, never with verbose=False."""
     from tqdm.auto import tqdm
 
     return tqdm(total=sum(1 for t in plan if not t.tied_to), desc="AutoXLA: loading",
-                unit="tensor", disable=not verbose)
+                unit="tensor", disable=None if verbose is None else not verbose)
 
 
 def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool):

@@ -227,8 +227,10 @@ def test_seed_splash_attention_example(strategy, checkpoints, reference_models, 
     (dict(attention_config={"mesh": "not a mesh"}), ValueError, r"str\(mesh\)"),
     (dict(attention_config={"qkv_partition_spec": ("fsdp", None)}), ValueError, "4 entries"),
     (dict(attention_config=[512]), TypeError, "attention_config must be a dict"),
-    (dict(attn_implementation="eager", attention_config={"sa_block_q": 8}), ValueError,
-     "attn_implementation is 'eager'"),
+    # An unknown key is refused even when eager attention would not use the config (eager with
+    # a valid config only warns: tests/compat/test_options.py).
+    (dict(attn_implementation="eager", attention_config={"sa_block_qq": 8}), ValueError,
+     r"unknown attention_config key"),
     (dict(attn_implementation="flash_attention_2"), ValueError,
      r"unknown attn_implementation 'flash_attention_2'; use one of eager, xla_flash_attention"),
 ])
