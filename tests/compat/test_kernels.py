@@ -127,7 +127,10 @@ def test_flash_mesh_and_partition_spec(checkpoints, xla_devices):
         apply_xla_flash_attention(model, other)
     assert model.config._attn_implementation == "eager"
     with pytest.raises(ValueError, match="4 entries"):
-        XLAFlashAttentionPatcher(model.autoxla_mesh, ("fsdp", None))
+        XLAFlashAttentionPatcher(model.autoxla_mesh, ("fsdp", None, None))
+    # The original's (batch, heads) form, as from_pretrained's attention_partition_spec.
+    short = XLAFlashAttentionPatcher(model.autoxla_mesh, ("fsdp", "mp"))
+    assert short.attention_config(model).qkv_partition_spec == ("fsdp", "model", None, None)
     spec = (("data", "fsdp"), "model", None, None)
     XLAFlashAttentionPatcher(None, spec).patch_model(model)
     layer = model.model.layers[0].self_attn.autoxla_attention

@@ -22,8 +22,9 @@ Where the original's keywords differ from ours:
   nothing to the kernel (its mask is causal, the model's window and padding) and is ignored with
   a warning. The original passed both to a config that has no such fields (a TypeError).
 - ``XLAFlashAttentionPatcher``'s ``partition_spec`` is the kernel's q/k/v spec
-  (``AttentionConfig.qkv_partition_spec``, 4 entries); None derives it from the mesh. The
-  original stored it and never used it.
+  (``AttentionConfig.qkv_partition_spec``): 4 entries, or 2 for (batch, heads), as
+  from_pretrained's ``attention_partition_spec``; None derives it from the mesh. The original
+  stored it and never used it.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ from torch import nn
 
 from ...attention.config import AttentionConfig
 from ...attention.patch import patch_attention
+# from_pretrained's own reading of the original's attention_layer_indices / attention_partition_spec
+from ...modeling.options import _with_original_keywords
 
 logger = logging.getLogger("AutoXLA")
 
@@ -78,7 +81,7 @@ class BaseAttentionPatcher:
         inner = getattr(model, "autoxla_module", None) or model   # inside an FSDPv2 wrapper
         self._check_model_type(inner)
         _check_soft_cap(inner, self.logits_soft_cap)
-        cfg = _with_layers(self.attention_config(inner), self.layer_indices)
+        cfg = _with_original_keywords(self.attention_config(inner), self.layer_indices, None)
         mesh = self.kernel_mesh(inner)
         if mesh is None:
             warnings.warn(f"{type(inner).__name__} was not loaded by AutoXLA (no autoxla_mesh): "
@@ -88,7 +91,8 @@ class BaseAttentionPatcher:
         patch_attention(inner, self.kernel, cfg, mesh)
         _rescan(inner)
         self.patched_layers = sorted({m.layer_idx for m in inner.modules()
-                                      if getattr(m, "autoxla_attention", None) is not None})
+                                      if getattr(m, "autoxla_attention", None) is not None
+                                      and m.layer_idx is not None})
         logger.info("%s: patched the attention of layers %s", self.name, self.patched_layers)
         return model
 
@@ -138,7 +142,7 @@ class XLAFlashAttentionPatcher(BaseAttentionPatcher):
         self.mesh = mesh
         self.partition_spec = partition_spec
         # Validated now: a wrong spec is an error at construction, as a config's would be.
-        self._config = AttentionConfig(qkv_partition_spec=partition_spec)
+        self._config = _with_original_keywords(AttentionConfig(), None, partition_spec)
 
     def attention_config(self, model: nn.Module) -> AttentionConfig:
         if self.mesh is None:
@@ -205,7 +209,8 @@ def apply_xla_flash_attention(model: nn.Module, mesh: Any = None, partition_spec
     """torch_xla's flash attention on ``model``'s decoder layers (all, or ``layer_indices``).
 
     ``mesh`` must be the mesh AutoXLA sharded the model over (None: that one);
-    ``partition_spec`` is the q/k/v spec (4 entries; None: derived from the mesh)."""
+    ``partition_spec`` is the q/k/v spec (4 entries, or 2 for batch and heads; None: derived
+    from the mesh)."""
     patcher = XLAFlashAttentionPatcher(mesh, partition_spec, layer_indices=layer_indices)
     return patcher.patch_model(model, inplace=inplace)
 
@@ -231,16 +236,6 @@ def _check_soft_cap(model: nn.Module, requested) -> None:
             f"{actual}: AutoXLA's kernels apply the soft-cap the model's config sets, so that "
             "they compute what the model computes. Drop logits_soft_cap, or change "
             "attn_logit_softcapping in the config before loading")
-
-
-def _with_layers(cfg: AttentionConfig, layer_indices) -> AttentionConfig:
-    if layer_indices is None:
-        return cfg
-    chosen = AttentionConfig(layers=layer_indices).layers      # validated and sorted
-    if cfg.layers is not None and cfg.layers != chosen:
-        raise ValueError(f"layer_indices={list(layer_indices)} and the config's layers="
-                         f"{list(cfg.layers)} disagree: pass one of them")
-    return dataclasses.replace(cfg, layers=chosen)
 
 
 def _copy(model: nn.Module) -> nn.Module:
