@@ -174,6 +174,8 @@ def test_conflicting_keywords_are_errors_or_warnings(cpu_llama):
         apply_splash_attention(cpu_llama, SplashAttentionConfig(), sa_block_q=4)
     with pytest.raises(ValueError, match="disagree"):
         apply_splash_attention(cpu_llama, SplashAttentionConfig(layers=[0]), layer_indices=[1])
+    with pytest.raises(TypeError, match="transformers model"):
+        apply_splash_attention(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown attention_config"):
         apply_splash_attention(cpu_llama, block=4)
     with pytest.warns(UserWarning, match="block_size=4 is ignored"):

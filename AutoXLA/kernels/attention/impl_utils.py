@@ -79,6 +79,9 @@ class BaseAttentionPatcher:
         if not inplace:
             model = _copy(model)
         inner = getattr(model, "autoxla_module", None) or model   # inside an FSDPv2 wrapper
+        if getattr(inner, "config", None) is None:
+            raise TypeError(f"{self.name} patches a transformers model (one with a config), got "
+                            f"{type(inner).__name__}")
         self._check_model_type(inner)
         _check_soft_cap(inner, self.logits_soft_cap)
         cfg = _with_original_keywords(self.attention_config(inner), self.layer_indices, None)
