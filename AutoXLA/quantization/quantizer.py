@@ -192,8 +192,10 @@ class ModelQuantizer:
         return report
 
     def _plan_embeddings(self, model: nn.Module, tied_names: set[str], report, matched: set) -> None:
-        """quantize_embeddings: every plain nn.Embedding table becomes int8, one scale per row."""
+        """quantize_embeddings: the token table (every nn.Embedding of a model that has no
+        get_input_embeddings) becomes int8, one scale per row."""
         tied_tables = []
+        token_table = _input_embeddings(model)
         for name, m in model.named_modules():
             if not isinstance(m, nn.Embedding) or isinstance(m, QuantizedEmbedding):
                 continue
@@ -201,6 +203,12 @@ class ModelQuantizer:
             if pattern is not None:
                 matched.add(pattern)
                 report.skipped[name] = f"excluded by exclude_layers pattern {pattern!r}"
+            elif token_table is not _NO_METHOD and m is not token_table:
+                # Models read other tables' weights directly (SAM's point and mask tokens, DETR's
+                # queries: `.weight` as a tensor), which an int8 table would silently corrupt.
+                report.skipped[name] = ("not the token embedding table (get_input_embeddings): "
+                                        "models read such weights directly, so it stays in full "
+                                        "precision")
             elif f"{name}.weight" in tied_names:
                 # One tensor cannot be an int8 table and the head's float weight at once; an int8
                 # head sharing the table would change the logits' format without being asked.
@@ -278,6 +286,21 @@ def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:
     if old.bias is not None:
         new.bias.requires_grad_(old.bias.requires_grad)
     return new
+
+
+_NO_METHOD = object()
+
+
+def _input_embeddings(model: nn.Module):
+    """The model's token table, None if it has none, or _NO_METHOD when it cannot say (a model
+    built in code without get_input_embeddings)."""
+    get = getattr(model, "get_input_embeddings", None)
+    if get is None:
+        return _NO_METHOD
+    try:
+        return get()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _quantized_table_like(old: nn.Embedding, d: LayerDecision) -> QuantizedEmbedding:

@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 from AutoXLA import backend
 from AutoXLA.loading import checkpoint as ckpt
@@ -76,6 +77,33 @@ def test_gather_equals_float64_dequantized_rows(symmetric):
     assert torch.equal(out, whole[ids])
     # Float rows of the original within half a step of their own scale.
     assert ((out - w[ids]).abs() <= 0.5 * q.scale[ids].float() * (1 + 1e-6) + 1e-7).all()
+
+
+def test_only_the_token_table_of_a_model_that_names_it():
+    # A model with get_input_embeddings: its token table is quantized; another nn.Embedding that
+    # it reads as `.weight` (as SAM does with its point and mask tokens) stays float, with why.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens, self.queries = nn.Embedding(32, 16), nn.Embedding(4, 16)
+
+        def get_input_embeddings(self):
+            return self.tokens
+
+        def forward(self, ids):
+            return self.tokens(ids) + self.queries.weight.sum(0)
+
+    torch.manual_seed(0)
+    net = Net()
+    ids = torch.tensor([[1, 5, 31]])
+    ModelQuantizer(QuantizationConfig(quantize_embeddings=True)).quantize_model(net)
+    report = net.autoxla_quantization
+    assert list(report.layers) == ["tokens"] and isinstance(net.tokens, QuantizedEmbedding)
+    assert "not the token embedding table" in report.skipped["queries"]
+    assert net.queries.weight.dtype == torch.float32
+    expected = net.tokens(ids).double() + net.queries.weight.double().sum(0)
+    assert_close(net(ids), expected, what="float queries beside the int8 table")
+    assert "1 embedding table(s) quantized" in str(report)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "2d"])
