@@ -182,8 +182,8 @@ class ModelQuantizer:
                    f"({pallas_refused[0]}); they use the next backend instead")
             report.warnings.append(msg)
             warnings.warn(msg, stacklevel=3)
-        no_act = [d.name for d in report.layers.values()
-                  if cfg.quantize_activation and not d.activation_quant]
+        no_act = [d.name for d in report.layers.values()      # a table's lookup has no input
+                  if cfg.quantize_activation and not d.activation_quant and d.backend != GATHER]
         if no_act:
             msg = (f"quantize_activation=True, but the {report.layers[no_act[0]].backend} backend "
                    f"does not quantize activations: {len(no_act)} layer(s) keep float activations")
@@ -233,7 +233,7 @@ class ModelQuantizer:
 
     def quantize_model(self, model: nn.Module, tied: dict[str, str] | None = None,
                        on_tpu: bool | None = None) -> nn.Module:
-        """Replace the chosen nn.Linear layers in place; returns ``model``.
+        """Replace the chosen nn.Linear layers (and embedding tables) in place; returns ``model``.
 
         The report is ``model.autoxla_quantization`` (and is logged).
         """
