@@ -72,16 +72,19 @@ def quantize_llm_blockwise(model: nn.Module, block_size: int = 128, n_bits: int 
                         pack_4bit=pack_4bit)
 
 
+_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
 def _check_int4_values(values: torch.Tensor) -> None:
-    if not isinstance(values, torch.Tensor) or values.is_floating_point() or values.is_complex() \
-            or values.dtype == torch.bool:
+    if not isinstance(values, torch.Tensor) or values.dtype not in _INTEGER_DTYPES:
+        got = values.dtype if isinstance(values, torch.Tensor) else type(values).__name__
         raise ValueError(f"pack_int4_to_int8 takes an integer tensor of values in [-8, 7], got "
-                         f"{type(values).__name__ if not isinstance(values, torch.Tensor) else values.dtype}; "
-                         "round and cast first, e.g. q.round().to(torch.int8)")
-    if values.numel() and (int(values.min()) < -8 or int(values.max()) > 7):
-        raise ValueError(f"pack_int4_to_int8 packs signed 4-bit values in [-8, 7], got values in "
-                         f"[{int(values.min())}, {int(values.max())}]; unsigned [0, 15] values "
-                         "must be shifted by -8 first")
+                         f"{got}; round and cast first, e.g. q.round().to(torch.int8)")
+    if values.numel():
+        lo, hi = int(values.min()), int(values.max())
+        if lo < -8 or hi > 7:
+            raise ValueError(f"pack_int4_to_int8 packs signed 4-bit values in [-8, 7], got "
+                             f"values in [{lo}, {hi}]; shift unsigned [0, 15] values by -8 first")
 
 
 def pack_int4_to_int8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
