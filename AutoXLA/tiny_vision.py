@@ -292,3 +292,109 @@ def comparable_outputs(family: str, output) -> dict[str, torch.Tensor]:
     else:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
     return {n: output[n] for n in names}
+
+
+# SAM 3's text-prompted detector (transformers' Sam3Model, what facebook/sam3's Sam3Config builds):
+# kept out of FAMILIES because it takes other inputs (token ids, box prompts) and gives other
+# outputs (boxes and logits per query, a semantic map) than the families above, so it has its own
+# helpers and tests (tests/segmentation/test_sam3_model.py). The parts: the tracker family's ViT
+# and 4-scale FPN (the detector uses the first three scales); a CLIP text tower (2 layers, 2 heads
+# of 12, vocabulary 96, at most 12 tokens: its position table (12, 24) does not divide 8); a
+# geometry encoder for boxes (ROI-align pooling 3x3, 1 layer with self- and cross-attention);
+# a DETR-style encoder (1 layer) and decoder (2 layers, 6 queries: not a multiple of 8, with box,
+# presence and reference-point MLP heads); the mask decoder (3-stage pixel decoder, mask embedder
+# MLP, prompt cross-attention) and the dot-product scoring of queries against the prompt. Every
+# attention has 2 heads of 16 over width 32.
+_SAM3_WIDTH = 32
+SAM3_DETECTOR = ("Sam3Config", dict(
+    vision_config=FAMILIES["sam3"][1]["vision_config"],
+    text_config=dict(model_type="clip_text_model", vocab_size=96, hidden_size=24,
+                     intermediate_size=48, projection_dim=16, num_hidden_layers=2,
+                     num_attention_heads=2, max_position_embeddings=12, pad_token_id=0,
+                     bos_token_id=94, eos_token_id=95),
+    geometry_encoder_config=dict(hidden_size=_SAM3_WIDTH, num_layers=1, num_attention_heads=2,
+                                 intermediate_size=64, roi_size=3),
+    detr_encoder_config=dict(hidden_size=_SAM3_WIDTH, num_layers=1, num_attention_heads=2,
+                             intermediate_size=64),
+    detr_decoder_config=dict(hidden_size=_SAM3_WIDTH, num_layers=2, num_queries=6,
+                             num_attention_heads=2, intermediate_size=64),
+    mask_decoder_config=dict(hidden_size=_SAM3_WIDTH, num_upsampling_stages=3,
+                             num_attention_heads=2),
+))
+SAM3_DETECTOR_IMAGE_SIZE = 112
+# What Sam3Model returns that a test compares: masks and boxes per query (boxes as x0, y0, x1, y1
+# in [0, 1]), the query-vs-prompt logits, the image-level presence logit, the semantic map.
+SAM3_DETECTOR_OUTPUTS = ("pred_masks", "pred_boxes", "pred_logits", "presence_logits",
+                         "semantic_seg")
+
+
+def sam3_detector_config(**overrides):
+    from .tiny import config_from_table
+
+    return config_from_table({"sam3_detector": SAM3_DETECTOR}, "sam3_detector", overrides)
+
+
+def sam3_detector_model(*, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """The tiny Sam3Model with widened random weights, built through the auto class the
+    segmentation loader picks (its AutoModel fallback), deterministic in ``seed``."""
+    import transformers
+
+    from .modeling.pipeline import pick_auto_class
+    from .modeling.segmentation import auto_classes
+
+    config = sam3_detector_config(**overrides)
+    auto = pick_auto_class(auto_classes(), config)
+    torch.manual_seed(seed)
+    model = auto.from_config(config, dtype=dtype)
+    if type(model) is not transformers.Sam3Model:
+        raise RuntimeError(f"{auto.__name__} built {type(model).__name__}, not Sam3Model")
+    return widen_(model).eval()
+
+
+def save_tiny_sam3_detector(directory: str | os.PathLike, *, seed: int = 0,
+                            dtype: torch.dtype = torch.float32,
+                            max_shard_size: str | int = "64KB", **overrides) -> Path:
+    """Saves the tiny Sam3Model (several safetensors shards and an index) to ``directory``."""
+    directory = Path(directory)
+    sam3_detector_model(seed=seed, dtype=dtype, **overrides).save_pretrained(
+        directory, max_shard_size=max_shard_size)
+    return directory
+
+
+def sam3_detector_inputs(batch: int = 2, seed: int = 0, boxes: bool = False) -> dict:
+    """Inputs as Sam3Model takes them (what Sam3Processor would give), deterministic in ``seed``.
+
+    ``pixel_values`` (batch, 3, 112, 112) N(0, 1); ``input_ids`` (batch, 7) int64: the BOS id,
+    5 random word ids, the EOS id, and the second prompt is 4 words shorter, padded (id 0) and
+    masked out in ``attention_mask`` (batch, 7). With ``boxes``, ``input_boxes`` (batch, 3, 4):
+    boxes as (cx, cy, w, h) in [0, 1] of the image, and ``input_boxes_labels`` (batch, 3) in {0, 1}
+    (negative / positive box); the second image's last box is padding (label -10).
+    """
+    config = SAM3_DETECTOR[1]["text_config"]
+    g = torch.Generator().manual_seed(seed)
+    length = 7
+    ids = torch.randint(1, config["bos_token_id"], (batch, length), generator=g)
+    ids[:, 0] = config["bos_token_id"]
+    ids[:, -1] = config["eos_token_id"]
+    mask = torch.ones(batch, length, dtype=torch.int64)
+    if batch > 1:
+        ids[1, 2] = config["eos_token_id"]
+        ids[1, 3:] = config["pad_token_id"]
+        mask[1, 3:] = 0
+    size = SAM3_DETECTOR_IMAGE_SIZE
+    inputs = {"pixel_values": torch.randn(batch, 3, size, size, generator=g),
+              "input_ids": ids, "attention_mask": mask}
+    if boxes:
+        centres = 0.25 + 0.5 * torch.rand(batch, 3, 2, generator=g)
+        sides = 0.1 + 0.4 * torch.rand(batch, 3, 2, generator=g)
+        inputs["input_boxes"] = torch.cat([centres, sides], dim=-1)
+        labels = torch.randint(0, 2, (batch, 3), generator=g)
+        if batch > 1:
+            labels[1, -1] = -10
+        inputs["input_boxes_labels"] = labels
+    return inputs
+
+
+def sam3_detector_outputs(output) -> dict[str, torch.Tensor]:
+    """The output tensors of a Sam3Model call that a test compares."""
+    return {n: output[n] for n in SAM3_DETECTOR_OUTPUTS}

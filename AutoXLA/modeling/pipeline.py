@@ -68,7 +68,8 @@ def pick_auto_class(candidates, config):
     raise ValueError(f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')!r}) "
                      f"is not a model any of {tried} can build; this loader takes segmentation "
                      "checkpoints (SAM, SAM2, SAM3, Mask2Former, OneFormer, SegFormer, UperNet, "
-                     "...). For a model built some other way, use from_model(model)")
+                     "...), not text models (AutoXLAModelForCausalLM loads those). For a model "
+                     "built some other way, use from_model(model)")
 
 
 def empty_model(config, auto_class, dtype="auto", trust_remote_code: bool = False) -> Resolved:

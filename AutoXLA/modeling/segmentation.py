@@ -24,10 +24,54 @@ AUTO_CLASS_NAMES = (
 )
 
 
+# Tried after those, as the original AutoXLA does: DETR's AutoModelForImageSegmentation, then the
+# bare AutoModel, which builds models no task class maps, such as SAM 3's text-prompted detector
+# (Sam3Config -> Sam3Model).
+FALLBACK_CLASS_NAMES = ("AutoModelForImageSegmentation", "AutoModel")
+# AutoModel also builds every text model (LlamaConfig -> LlamaModel), which is no segmentation
+# model: a config that one of these maps is refused by the fallback, so it keeps the clear error.
+TEXT_AUTO_CLASS_NAMES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                         "AutoModelForImageTextToText")
+
+
 def auto_classes() -> tuple:
     import transformers
 
-    return tuple(getattr(transformers, n) for n in AUTO_CLASS_NAMES if hasattr(transformers, n))
+    names = AUTO_CLASS_NAMES + FALLBACK_CLASS_NAMES[:-1]
+    found = tuple(getattr(transformers, n) for n in names if hasattr(transformers, n))
+    return found + (_non_text_auto_model(),)
+
+
+def _non_text_auto_model():
+    """transformers.AutoModel whose mapping leaves out the configs of text models."""
+    import transformers
+
+    text = [getattr(transformers, n)._model_mapping for n in TEXT_AUTO_CLASS_NAMES
+            if hasattr(transformers, n)]
+    return type("AutoModel", (transformers.AutoModel,), {
+        "__doc__": _non_text_auto_model.__doc__,
+        "_model_mapping": _WithoutText(transformers.AutoModel._model_mapping, text)})
+
+
+class _WithoutText:
+    """A read-only view of an auto mapping without the config types any of ``text`` maps."""
+
+    def __init__(self, mapping, text):
+        self._mapping, self._text = mapping, text
+
+    def __contains__(self, config_type) -> bool:
+        return config_type in self._mapping and not any(config_type in t for t in self._text)
+
+    def __getitem__(self, config_type):
+        if config_type not in self:
+            raise KeyError(config_type)
+        return self._mapping[config_type]
+
+    def keys(self):
+        return [k for k in self._mapping.keys() if k in self]
+
+    def get(self, config_type, default=None):
+        return self[config_type] if config_type in self else default
 
 
 class AutoXLAModelForImageSegmentation:

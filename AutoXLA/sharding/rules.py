@@ -31,6 +31,9 @@ _HEAD_FIELDS = {
     "v_proj": "num_key_value_heads", "value": "num_key_value_heads",
     "o_proj": "num_attention_heads",
 }
+# SAM 3's DETR heads and scoring MLP (Sam3DecoderMLP: layer1 -> relu -> layer2 [-> relu -> layer3]):
+# a column/row pair like fc1/fc2. No other transformers model names a Linear layer1 or layer2.
+COLUMN_NAMES, ROW_NAMES = COLUMN_NAMES | {"layer1"}, ROW_NAMES | {"layer2"}
 
 COLUMN, ROW, LINEAR = "column_linear", "row_linear", "linear"
 EMBEDDING, LM_HEAD, NORM, BIAS = "vocab_embedding", "lm_head", "norm", "bias"
