@@ -123,7 +123,10 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
 
 
 def _activation_dtype(hf) -> torch.dtype:
-    return hf.get_input_embeddings().weight.dtype
+    """The dtype the embedding lookup produces (an int8 QuantizedEmbedding outputs its float
+    dtype), which the KV cache holds."""
+    table = hf.get_input_embeddings()
+    return getattr(table, "output_dtype", table.weight.dtype)
 
 
 def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: Stats,

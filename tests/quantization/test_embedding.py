@@ -212,10 +212,6 @@ def test_tied_table_stays_float_with_one_note(checkpoints, reference_models, bat
     assert_close(out[valid], ref[valid], what="gemma2 with its tied table kept")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "generation/loop.py _activation_dtype takes the KV cache dtype from the input embedding's "
-    "weight, int8 here; it needs getattr(table, 'output_dtype', table.weight.dtype). Remove this "
-    "mark with that fix"))
 def test_generate_with_an_int8_table_equals_greedy_forwards(quantized_llama):
     dev = backend.device()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
