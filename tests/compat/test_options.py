@@ -213,3 +213,32 @@ def test_progress_bar_follows_verbose(checkpoints, capsys, xla_devices):
     assert "AutoXLA: loading" in out.err and "model.layers.0.self_attn.q_proj.weight" in out.out
     with pytest.raises(TypeError, match="verbose must be True, False or None"):
         AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], verbose="yes")
+
+
+def test_block_sizes_default_to_the_seeds_512():
+    # The original's SplashAttentionConfig defaults to 256; the seed's example uses 512.
+    cfg = AttentionConfig()
+    assert {getattr(cfg, f) for f in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute",
+                                      "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute",
+                                      "sa_block_q_dq", "sa_block_kv_dq")} == {512}
+
+
+def test_linears_named_output_are_quantized():
+    # The original skipped every linear whose name contains "output" (BERT/ViT's
+    # attention.output.dense) unless quantize_lm_head; only the real output embedding is skipped.
+    from torch import nn
+
+    from AutoXLA.quantization import ModelQuantizer, QuantizationConfig, QuantizedLinear
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.ModuleDict({"output": nn.ModuleDict({"dense": nn.Linear(64, 64)})})
+            self.embed_proj = nn.Linear(64, 64)
+
+    model = Block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ModelQuantizer(QuantizationConfig(bits=8)).quantize_model(model)
+    assert isinstance(model.attention["output"]["dense"], QuantizedLinear)
+    assert isinstance(model.embed_proj, QuantizedLinear)
