@@ -43,8 +43,13 @@ CASES = {
     "sm3": (lambda ps: optim.SM3(ps, lr=0.1, momentum=0.9),
             lambda ps: reference.SM3(ps, lr=0.1, momentum=0.9, eps=1e-8)),
 }
-# The exponential variant of SM3 (beta > 0) and its default (no momentum), on the CPU only.
-SM3_VARIANTS = {
+# On the CPU only: pytorch_optimizer's per-parameter loop (foreach=False; the batched path runs by
+# default for Lion and CAME, on XLA too), SM3 without momentum and its exponential variant.
+VARIANTS = {
+    "lion-loop": (lambda ps: optim.Lion(ps, lr=1e-3, weight_decay=0.1, foreach=False),
+                  CASES["lion"][1]),
+    "came-loop": (lambda ps: optim.CAME(ps, lr=1e-3, weight_decay=0.1, foreach=False),
+                  CASES["came"][1]),
     "sm3-sum": (lambda ps: optim.SM3(ps, lr=0.1),
                 lambda ps: reference.SM3(ps, lr=0.1, eps=1e-8)),
     "sm3-beta": (lambda ps: optim.SM3(ps, lr=0.1, momentum=0.5, beta=0.9),
@@ -80,9 +85,9 @@ def assert_matches_reference(name, actual, ref, names=None):
 SHAPES = [(7,), (5, 6), (3, 4, 5)]
 
 
-@pytest.mark.parametrize("name", [*CASES, *SM3_VARIANTS])
+@pytest.mark.parametrize("name", [*CASES, *VARIANTS])
 def test_cpu_float32_equals_float64_reference(name):
-    make, make_ref = {**CASES, **SM3_VARIANTS}[name]
+    make, make_ref = {**CASES, **VARIANTS}[name]
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
     initial = reference._f64(params)
