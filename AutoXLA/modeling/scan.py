@@ -350,7 +350,11 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
         del tensors
         container = _container(stacked, owner_path)
         if is_param:
-            container.register_parameter(leaf, nn.Parameter(value, requires_grad=requires_grad))
+            param = nn.Parameter(value, requires_grad=requires_grad)
+            # Dim 0 counts layers, not features: optimizers whose statistics span a tensor's
+            # dimensions (CAME, SM3) read it (AutoXLA/optim/_keywords.py).
+            param.autoxla_stacked_layers = len(shells)
+            container.register_parameter(leaf, param)
         else:
             container.register_buffer(leaf, value, persistent=persistent)
         if value.device.type == "xla":

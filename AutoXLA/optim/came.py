@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytorch_optimizer
 
+from ._keywords import warn_if_stacked_layers
+
 
 class CAME(pytorch_optimizer.CAME):
     """pytorch_optimizer's CAME with the original AutoXLA's signature: ``eps`` is the pair
@@ -36,3 +38,4 @@ class CAME(pytorch_optimizer.CAME):
                              f"instability), e.g. (0.9, 0.999, 0.9999); got {betas!r}")
         super().__init__(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay,
                          clip_threshold=clip_threshold, eps1=eps1, eps2=eps2, **kwargs)
+        warn_if_stacked_layers(self)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytorch_optimizer
 
-from ._keywords import warn_without_effect
+from ._keywords import warn_if_stacked_layers, warn_without_effect
 
 _UNSET = object()
 
@@ -26,3 +26,4 @@ class SM3(pytorch_optimizer.SM3):
             warn_without_effect("SM3", "scale",
                                 "the original AutoXLA ignored it as well (its code was commented out)")
         super().__init__(params, lr=lr, momentum=momentum, beta=beta, eps=eps, **kwargs)
+        warn_if_stacked_layers(self)

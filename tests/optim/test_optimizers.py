@@ -360,3 +360,19 @@ def test_fsdpv2_states_sharded_like_their_parameters(name, checkpoints, xla_devi
     assert seen >= len(run["params"])
     if name != "lion":   # factored states exist, and some are split along a dimension they keep
         assert sharded_factored > 0
+
+
+def test_stacked_decoder_layers_are_announced(checkpoints, xla_devices):
+    # CAME's clipping and SM3's accumulators span a tensor's dimensions: a scanned stack
+    # ([layers, ...]) changes what they compute, so the user is told; Lion is element-wise.
+    scanned = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"])
+    unrolled = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], scan_layers=False)
+    for make in (optim.CAME, optim.SM3):
+        with pytest.warns(UserWarning, match=r"hold 2 decoder layers each.*scan_layers=False"):
+            make(scanned.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            make(unrolled.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optim.Lion(scanned.parameters())
