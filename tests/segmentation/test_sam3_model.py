@@ -97,6 +97,21 @@ def test_sam3_config_resolves_to_sam3model_through_automodel():
     assert type(tiny_vision.sam3_detector_model()) is Sam3Model
 
 
+def test_the_automodel_fallback_leaves_out_text_models():
+    # AutoModel maps LlamaConfig (to LlamaModel) and Mistral3Config too: the segmentation loader
+    # refuses them and names the loader that takes them.
+    import transformers
+
+    from AutoXLA.modeling.pipeline import pick_auto_class
+    from AutoXLA.modeling.segmentation import auto_classes
+
+    for config in (transformers.LlamaConfig(), transformers.Mistral3Config()):
+        assert type(config) in transformers.AutoModel._model_mapping
+        with pytest.raises(ValueError, match=rf"{type(config).__name__} .* AutoModel can build.*"
+                                             r"AutoXLAModelForCausalLM loads those"):
+            pick_auto_class(auto_classes(), config)
+
+
 def test_inputs_change_the_outputs(reference):
     # The fixture is informative: the text prompt and the boxes each move every output family,
     # so an input dropped or misrouted on the devices would show.
