@@ -45,12 +45,21 @@ class StackPlan:
 
 
 def find_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The ModuleList of decoder layers (transformers' ``_no_split_modules`` classes), or None."""
+    """The ModuleList of decoder layers (transformers' ``_no_split_modules`` classes), or None.
+
+    A vision-language model has two such lists (its vision tower's and its language model's):
+    the decoder's is the one whose owning module holds the text decoder's config."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    found = []
+    found, owners = [], {}
     for path, m in model.named_modules():
+        own = getattr(m, "config", None)
+        owners[path] = own if own is not None else owners.get(path.rpartition(".")[0])
         if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ in names for c in m):
             found.append((path, m))
+    config = getattr(model, "config", None)
+    if len(found) > 1 and hasattr(config, "get_text_config"):
+        decoder = config.get_text_config(decoder=True)
+        found = [(path, m) for path, m in found if owners[path] is decoder]
     return found[0] if len(found) == 1 else None
 
 

@@ -179,13 +179,15 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
     tied = dict(tied or {})
     output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     modules = dict(model.named_modules())
+    configs = module_configs(model, config)
     persistent = persistent_buffer_names(model)
     entries: dict[str, TensorPlan] = {}
     named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False)]
     named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
     for name, tensor, is_buffer in named:
-        owner = modules[name.rsplit(".", 1)[0]] if "." in name else model
-        rule = rules.classify(name, tensor, owner, output_embedding, config, is_buffer)
+        owner_path = name.rsplit(".", 1)[0] if "." in name else ""
+        owner = modules[owner_path] if owner_path else model
+        rule = rules.classify(name, tensor, owner, output_embedding, configs[owner_path], is_buffer)
         shape = tuple(tensor.shape)
         spec, reasons = rules.resolve_spec(rule, shape, mesh)
         # Buffers keep the dtype their module built them in (rotary inv_freq stays fp32 in a bf16
@@ -210,6 +212,20 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
                 quantization=report.config.to_dict() if report is not None else None,
                 attention=attention,
                 stack=plan_stack(model, scan_layers) if attention is not None else None)
+
+
+def module_configs(model: nn.Module, config) -> dict:
+    """Module path -> the config that describes it: the nearest enclosing module's own config,
+    else ``config``. A vision-language model's top config has no head counts: its language model
+    holds text_config and its vision tower vision_config, and heads are counted from those."""
+    from transformers import PretrainedConfig
+
+    out = {}
+    for path, m in model.named_modules():   # parents come before their children
+        own = getattr(m, "config", None)
+        inherited = out.get(path.rpartition(".")[0], config) if path else config
+        out[path] = own if path and isinstance(own, PretrainedConfig) else inherited
+    return out
 
 
 def _attention(model: nn.Module, config):

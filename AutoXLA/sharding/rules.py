@@ -19,10 +19,12 @@ COLUMN_NAMES = frozenset({
     "q_proj", "k_proj", "v_proj", "qkv_proj", "qkv", "query", "key", "value", "query_key_value",
     "gate_proj", "up_proj", "gate_up_proj", "fc1", "lin1", "linear1", "w1", "w3", "c_fc",
     "wi", "wi_0", "wi_1", "dense_h_to_4h", "c_attn", "in_proj",
+    "linear_1",   # vision-language projectors (Mistral 3, LLaVA): linear_1 -> act -> linear_2
 })
 ROW_NAMES = frozenset({
     "o_proj", "out_proj", "down_proj", "fc2", "lin2", "linear2", "w2", "proj", "dense_4h_to_h",
     "c_proj", "wo",
+    "linear_2",
 })
 # Which config field counts the heads a projection holds (split by whole heads only).
 _HEAD_FIELDS = {
