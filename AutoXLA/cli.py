@@ -35,12 +35,14 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
                      quantization_config=None, on_tpu: bool = True, scan_layers: bool = True):
     """The Plan of a causal LM or segmentation checkpoint, from its config on the meta device.
 
-    The model class is the one from_pretrained would build: a causal LM if transformers has one
-    for the config, else the first segmentation auto class (in the seed's order) that knows it.
+    The model class is the one from_pretrained would build: a causal LM or image-text-to-text
+    model (modeling/causal.py) if transformers has one for the config, else the first
+    segmentation auto class (in the seed's order) that knows it.
     """
     import torch
-    from transformers import AutoModelForCausalLM, PretrainedConfig
+    from transformers import PretrainedConfig
 
+    from .modeling.causal import causal_or_image_text_class
     from .modeling.empty import load_config
     from .modeling.pipeline import empty_model, pick_auto_class, quantize_on_meta
     from .modeling.segmentation import auto_classes
@@ -59,7 +61,7 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
             raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
         dtype = getattr(torch, _DTYPES[dtype.lower()])
     strategy = normalize_strategy(strategy)
-    auto_class = pick_auto_class((AutoModelForCausalLM,) + auto_classes(), config)
+    auto_class = causal_or_image_text_class(config) or pick_auto_class(auto_classes(), config)
     r = empty_model(config, auto_class, dtype if dtype is not None else "auto")
     quantize_on_meta(r, quantization_config, on_tpu)
     return build_plan(r.model, config, mesh_shape_for(strategy, devices), strategy, r.dtype, r.tied,

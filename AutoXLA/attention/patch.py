@@ -18,7 +18,12 @@ def patch_attention(model: nn.Module, implementation: str, cfg: AttentionConfig,
         raise ValueError(f"unknown attention kernel {implementation!r}; use one of {KERNELS}")
     register()
     cfg = cfg.with_mesh(mesh) if mesh is not None else cfg
-    modules = [m for m in model.modules() if _uses_attention_interface(m)]
+    config = getattr(model, "config", None)
+    decoder = decoder_config(config)
+    # A vision-language model: only its text decoder's attention (the vision tower's is
+    # bidirectional and stays eager).
+    modules = [m for m in model.modules() if _uses_attention_interface(m)
+               and (decoder is config or m.config is decoder)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module that goes through "
                          "transformers' AttentionInterface; use attn_implementation='eager'")
@@ -29,10 +34,27 @@ def patch_attention(model: nn.Module, implementation: str, cfg: AttentionConfig,
         chosen = cfg.patches(getattr(m, "layer_idx", None))
         m.autoxla_attention = LayerAttention(implementation, cfg, mesh) if chosen else None
         patched += chosen
-    config = getattr(model, "config", None)
     if config is not None:
-        config._attn_implementation = TRANSFORMERS_NAMES[implementation]
+        set_decoder_attention(config, TRANSFORMERS_NAMES[implementation])
     return patched
+
+
+def decoder_config(config):
+    """The config of the text decoder: ``config`` itself, or its text sub-config (Mistral 3,
+    LLaVA: ``text_config``)."""
+    if config is None or not hasattr(config, "get_text_config"):
+        return config
+    return config.get_text_config(decoder=True)
+
+
+def set_decoder_attention(config, name: str) -> None:
+    """``name`` as the attention implementation of the text decoder only. transformers' setter
+    applies a value to every sub-config, so a vision-language config is set to eager first (its
+    vision tower attends bidirectionally, which the kernels do not implement), then its decoder."""
+    decoder = decoder_config(config)
+    if decoder is not config:
+        config._attn_implementation = "eager"
+    decoder._attn_implementation = name
 
 
 def _uses_attention_interface(module: nn.Module) -> bool:

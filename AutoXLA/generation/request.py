@@ -50,9 +50,19 @@ class Request:
         return (self.do_sample, self.top_k, self.top_p < 1.0) if self.do_sample else (False,)
 
 
+# Image inputs of an image-text-to-text model (Mistral 3, LLaVA): the loop feeds tokens only.
+_IMAGE_ARGUMENTS = ("pixel_values", "image_sizes", "pixel_attention_mask", "image_grid_thw")
+
+
 def build_request(model, prompt_length: int, generation_config=None, seed=None,
                   **kwargs) -> Request:
     """Merge ``kwargs`` into the model's generation config (transformers' own rules), validate."""
+    images = [name for name in _IMAGE_ARGUMENTS if kwargs.get(name) is not None]
+    if images:
+        raise ValueError(f"generate({', '.join(images)}=...): AutoXLA's fixed-shape generation is "
+                         "text-only and cannot condition on images. Generate from text "
+                         "(input_ids only), or run the model's forward with the image "
+                         "(model(input_ids=..., pixel_values=...)) for its logits")
     for name in _UNSUPPORTED_ARGUMENTS:
         if kwargs.get(name) is not None:
             raise ValueError(f"generate({name}=...) is not supported by AutoXLA's fixed-shape "

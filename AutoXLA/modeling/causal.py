@@ -5,6 +5,8 @@ import os
 
 from torch import nn
 
+from ..saving import unwrap
+from .image_text import merge_images_statically
 from .options import LoadOptions
 from .pipeline import build
 
@@ -36,7 +38,40 @@ class AutoXLAModelForCausalLM:
         if model_args:
             raise TypeError("from_pretrained takes the path positionally and everything else "
                             f"as keywords; got extra positional arguments {model_args!r}")
-        from transformers import AutoModelForCausalLM
-
         opts = LoadOptions.from_kwargs(kwargs)
-        return build(pretrained_model_name_or_path, AutoModelForCausalLM, opts)
+        model = build(pretrained_model_name_or_path, auto_class_for, opts)
+        hf = unwrap(model)
+        if getattr(hf.config, "vision_config", None) is not None:   # an image-text-to-text model
+            merge_images_statically(hf)
+        return model
+
+
+def auto_class_for(config):
+    """The transformers auto class that builds ``config``'s generating model.
+
+    A config with a vision tower (``vision_config``: Mistral 3, LLaVA, ...) is an
+    image-text-to-text model, as in the original AutoXLA; so is a config AutoModelForCausalLM does
+    not know but AutoModelForImageTextToText does. Everything else is a causal LM.
+    """
+    auto_class = causal_or_image_text_class(config)
+    if auto_class is None:
+        raise ValueError(
+            f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')!r}) is "
+            "neither a causal LM (AutoModelForCausalLM) nor an image-text-to-text model "
+            "(AutoModelForImageTextToText) transformers can build; AutoXLAModelForCausalLM loads "
+            "decoder language models and vision-language models. For segmentation use "
+            "AutoXLAModelForImageSegmentation")
+    return auto_class
+
+
+def causal_or_image_text_class(config):
+    """auto_class_for's choice, or None when neither auto class knows ``config`` (for callers
+    that try other loaders next, as ``autoxla plan`` does)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    order = (AutoModelForCausalLM, AutoModelForImageTextToText)
+    if getattr(config, "vision_config", None) is not None:
+        order = order[::-1]
+    remote = getattr(config, "auto_map", None) or {}     # trust_remote_code models name theirs
+    return next((c for c in order if type(config) in c._model_mapping or c.__name__ in remote),
+                None)

@@ -12,6 +12,7 @@ from .. import backend, generation
 from ..attention import patch_attention
 from ..attention.config import TRANSFORMERS_NAMES
 from ..attention.hf import register as register_attention
+from ..attention.patch import set_decoder_attention
 from ..generation import compile_cache
 from ..loading import checkpoint as ckpt
 from ..loading import streaming
@@ -36,8 +37,8 @@ class Resolved:
 def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
     """Step 1: config and an empty model of the right class (no weights read).
 
-    ``auto_class`` is a transformers auto class, or a sequence of them tried in order (the first
-    whose mapping knows the config's type is used).
+    ``auto_class`` is a transformers auto class, a sequence of them tried in order (the first
+    whose mapping knows the config's type is used), or a function of the config that returns one.
     """
     config, unused = load_config(
         path, trust_remote_code=opts.trust_remote_code, return_unused_kwargs=True,
@@ -53,9 +54,11 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
     config._attn_implementation = opts.attn_implementation
     if opts.attn_implementation != "eager":
         register_attention()   # transformers must know the name before the model is built
-        config._attn_implementation = TRANSFORMERS_NAMES[opts.attn_implementation]
+        set_decoder_attention(config, TRANSFORMERS_NAMES[opts.attn_implementation])
     if isinstance(auto_class, (tuple, list)):
         auto_class = pick_auto_class(auto_class, config)
+    elif not hasattr(auto_class, "from_config"):     # a chooser: config -> auto class
+        auto_class = auto_class(config)
     return empty_model(config, auto_class, opts.dtype, opts.trust_remote_code)
 
 
