@@ -87,3 +87,59 @@ def save_tiny_checkpoint(family: str, directory: str | os.PathLike, *, seed: int
     directory = Path(directory)
     model.save_pretrained(directory, max_shard_size=max_shard_size)
     return directory
+
+
+# Image-text-to-text checkpoints: a text decoder (text_config) and a vision tower (vision_config),
+# built by AutoModelForImageTextToText. Kept out of FAMILIES, whose test matrices would run every
+# strategy on them. 32x32 images in 8x8 patches: 16 patches per image.
+_TEXT = dict(_COMMON, vocab_size=256, hidden_size=64, intermediate_size=96)
+IMAGE_SIZE, PATCH_SIZE = 32, 8
+IMAGE_TEXT_FAMILIES = {
+    # Mistral 3: the Ministral 3 text model (yarn rope) and a Pixtral vision tower (4 heads, 2D
+    # rotary), whose 16 patches the projector merges 2x2 into 4 image tokens.
+    "mistral3": ("Mistral3Config", dict(
+        text_config=dict(FAMILIES["ministral3"][1], **_TEXT, model_type="ministral3"),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                           image_size=IMAGE_SIZE, patch_size=PATCH_SIZE),
+        image_token_index=10, spatial_merge_size=2)),
+    # LLaVA: a Llama text model (8 heads, 2 kv heads) and a CLIP vision tower; every patch is an
+    # image token (the class token is dropped), 16 per image.
+    "llava": ("LlavaConfig", dict(
+        text_config=dict(**_TEXT, model_type="llama", num_attention_heads=8, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, projection_dim=32,
+                           image_size=IMAGE_SIZE, patch_size=PATCH_SIZE),
+        image_token_index=10, tie_word_embeddings=False)),
+}
+
+
+def tiny_image_text_config(family: str, **overrides):
+    return config_from_table(IMAGE_TEXT_FAMILIES, family, overrides)
+
+
+def image_tokens_per_image(config) -> int:
+    """How many image tokens one IMAGE_SIZE image becomes in ``config``'s model (Mistral 3 merges
+    patches spatial_merge_size x spatial_merge_size; LLaVA keeps one per patch)."""
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size // getattr(config, "spatial_merge_size", 1)
+    return side * side
+
+
+def save_tiny_image_text_checkpoint(family: str, directory: str | os.PathLike, *, seed: int = 0,
+                                    dtype: torch.dtype = torch.float32,
+                                    max_shard_size: str | int = "64KB", **overrides) -> Path:
+    """Builds the image-text-to-text family's tiny model with random weights (widened as in
+    save_tiny_checkpoint) and saves it (sharded) to ``directory``."""
+    from transformers import AutoModelForImageTextToText
+
+    config = tiny_image_text_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    directory = Path(directory)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
+    return directory
