@@ -23,6 +23,7 @@ from ..helpers import assert_close, check_sharding_matches_plan
 # 192 terms (the 8x8x3 patch convolution); observed max |diff| ~1e-5 on logits of magnitude ~6,
 # while a misplaced image feature or a wrong shard moves them by O(1).
 ATOL, RTOL = 1e-4, 1e-4
+INT8_SQNR_FLOOR_DB = 25.0
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 VISION_Q = "model.vision_tower.transformer.layers.0.attention.q_proj.weight"
 
@@ -148,6 +149,13 @@ def test_mistral3_with_an_image_equals_transformers(case, image_text_checkpoints
     assert_close(got[valid], expected[valid], ATOL, RTOL, what=f"mistral3/{case} logits")
     # The image changed them: its features were merged into the text.
     assert (expected[valid] - text_only[valid]).abs().max() > 0.1
+    if case == "int8":
+        # And int8 stays close to the float model: the int8 floor of the causal tests
+        # (tests/quantization/test_quantized_loading.py); measured 30.0 dB here.
+        with torch.no_grad():
+            floating = references("mistral3")(**inputs).logits[valid].double()
+        error = (got[valid].double() - floating).norm()
+        assert 20 * torch.log10(floating.norm() / error) >= INT8_SQNR_FLOOR_DB
     plan = model.autoxla_plan
     q = plan[VISION_Q]
     assert q.role == "column_linear" and q.spec == ({"fsdp": (None, "fsdp"), "int8": (None, "fsdp"),
