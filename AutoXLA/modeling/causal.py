@@ -1,4 +1,5 @@
-"""AutoXLAModelForCausalLM: the seed's entry point for decoder language models."""
+"""AutoXLAModelForCausalLM: the seed's entry point for decoder language models (and for
+vision-language models that generate text: image-text-to-text checkpoints such as Mistral 3)."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from .pipeline import build
 
 
 class AutoXLAModelForCausalLM:
-    """Loads a Hugging Face causal LM sharded over an XLA device mesh.
+    """Loads a Hugging Face causal LM (or image-text-to-text model) sharded over an XLA device mesh.
 
     Not instantiable: use ``from_pretrained``. The returned object is the transformers model
     (or its FSDPv2 wrapper with ``use_fsdp_wrap=True``), with ``autoxla_plan`` (the Plan it was
