@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .config import LayerFormat
-from .linear import SCALE_DTYPE
+from .linear import install_quantized, register_quantized_buffers
 
 # The plan records this as the quantized table's "backend" (its lookup is a gather).
 GATHER = "gather"
@@ -37,27 +37,12 @@ class QuantizedEmbedding(nn.Embedding):
         self.padding_idx = padding_idx
         self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse = None, 2.0, False, False
         self.output_dtype = dtype   # the float table's dtype: what a lookup returns
-        self.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=torch.int8, device=device))
-        self.register_buffer("weight_scale", torch.zeros(fmt.scale_shape, dtype=SCALE_DTYPE,
-                                                         device=device))
-        if not fmt.symmetric:
-            self.register_buffer("weight_zero_point", torch.zeros(fmt.scale_shape, dtype=torch.int8,
-                                                                  device=device))
-        else:
-            self.weight_zero_point = None
+        register_quantized_buffers(self, fmt, device)
 
     def load_quantized(self, q: torch.Tensor, scale: torch.Tensor,
                        zero_point: torch.Tensor | None) -> None:
         """Install the C engine's tensors in place of the zero buffers."""
-        for name, value in (("weight", q), ("weight_scale", scale), ("weight_zero_point", zero_point)):
-            old = getattr(self, name)
-            if old is None:
-                continue
-            if value is None or tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
-                raise ValueError(f"{name} must be {old.dtype} of shape {tuple(old.shape)} for an "
-                                 f"{self.quant_format.label} table, got "
-                                 f"{None if value is None else (value.dtype, tuple(value.shape))}")
-            self._buffers[name] = value
+        install_quantized(self, q, scale, zero_point)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)

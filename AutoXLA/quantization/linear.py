@@ -32,28 +32,13 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = fmt.in_features, fmt.out_features
         self.backend = backend
         self.quantize_activation = quantize_activation
-        qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
-        self.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=qdtype, device=device))
-        self.register_buffer("weight_scale", torch.zeros(fmt.scale_shape, dtype=SCALE_DTYPE,
-                                                         device=device))
-        if not fmt.symmetric:
-            self.register_buffer("weight_zero_point", torch.zeros(fmt.scale_shape, dtype=torch.int8,
-                                                                  device=device))
-        else:
-            self.weight_zero_point = None
+        register_quantized_buffers(self, fmt, device)
         self.bias = nn.Parameter(torch.zeros(fmt.out_features, dtype=dtype, device=device)) if bias else None
 
     def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                        bias: torch.Tensor | None = None) -> None:
         """Install quantized tensors (e.g. from the C engine) in place of the zero buffers."""
-        for name, value in (("weight", q), ("weight_scale", scale), ("weight_zero_point", zero_point)):
-            old = getattr(self, name)
-            if old is None:
-                continue
-            if value is None or tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
-                raise ValueError(f"{name} must be {old.dtype} of shape {tuple(old.shape)} for "
-                                 f"{self.quant_format.label}, got {None if value is None else (value.dtype, tuple(value.shape))}")
-            self._buffers[name] = value
+        install_quantized(self, q, scale, zero_point)
         if bias is not None:
             self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad if self.bias is not None else True)
 
@@ -70,6 +55,36 @@ class QuantizedLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={self.quant_format.label}, backend={self.backend}"
                 + (", W8A8" if self.quantize_activation else ""))
+
+
+def register_quantized_buffers(module: nn.Module, fmt: LayerFormat, device=None) -> None:
+    """Zero ``weight`` (int8, or int4 packed in uint8), ``weight_scale`` and, when asymmetric,
+    ``weight_zero_point`` buffers of ``fmt``'s shapes: the names the loader, the plan and saving
+    know a quantized module's tensors by (QuantizedLinear, QuantizedEmbedding)."""
+    qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
+    module.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=qdtype, device=device))
+    module.register_buffer("weight_scale", torch.zeros(fmt.scale_shape, dtype=SCALE_DTYPE,
+                                                       device=device))
+    if not fmt.symmetric:
+        module.register_buffer("weight_zero_point", torch.zeros(fmt.scale_shape, dtype=torch.int8,
+                                                                device=device))
+    else:
+        module.weight_zero_point = None
+
+
+def install_quantized(module: nn.Module, q: torch.Tensor, scale: torch.Tensor,
+                      zero_point: torch.Tensor | None) -> None:
+    """Replaces the buffers ``register_quantized_buffers`` made by ``q``, ``scale`` and
+    ``zero_point``, each checked for the dtype and shape its buffer has."""
+    for name, value in (("weight", q), ("weight_scale", scale), ("weight_zero_point", zero_point)):
+        old = getattr(module, name)
+        if old is None:
+            continue
+        if value is None or tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
+            got = None if value is None else (value.dtype, tuple(value.shape))
+            raise ValueError(f"{name} must be {old.dtype} of shape {tuple(old.shape)} for "
+                             f"{module.quant_format.label} ({type(module).__name__}), got {got}")
+        module._buffers[name] = value
 
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:

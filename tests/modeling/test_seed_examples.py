@@ -1,6 +1,6 @@
-"""The seed's Quick Start, Splash Attention and 3D examples, as written, with a local path (its
-Quantized Loading example: tests/quantization/test_quantized_loading.py; its segmentation examples:
-tests/segmentation/)."""
+"""The seed's Quick Start and 3D examples, as written, with a local path. Its other examples run as
+written too: Splash Attention in tests/attention/test_models.py, Quantized Loading in
+tests/quantization/test_quantized_loading.py, the segmentation ones in tests/segmentation/."""
 import torch
 
 from AutoXLA import backend
@@ -42,41 +42,3 @@ def test_top_level_import(checkpoints, xla_devices):
 
     assert AutoXLA.AutoXLAModelForCausalLM.from_pretrained
 
-
-def test_splash_attention_variant(checkpoints, reference_models, batch, xla_devices):
-    # The seed's sa_blocks dict takes "mesh": str(mesh) of a mesh the user built; the seed leaves
-    # `mesh` undefined, so this builds the one "fsdp" uses (the original's own (fsdp, model) form).
-    import numpy as np
-    import torch_xla.distributed.spmd as xs
-
-    from ..helpers import assert_close
-
-    path = str(checkpoints["llama"])
-    mesh = xs.Mesh(np.arange(8), (8, 1), ("fsdp", "model"))
-    # --- from the seed ---
-    from AutoXLA.modeling import AutoXLAModelForCausalLM
-
-    # Create block sizes
-    sa_blocks = {
-        "sa_block_q": 512,
-        "sa_block_kv": 512,
-        "sa_block_kv_compute": 512,
-        "sa_block_q_dkv": 512,
-        "sa_block_kv_dkv": 512,
-        "sa_block_kv_dkv_compute": 512,
-        "sa_block_q_dq": 512,
-        "sa_block_kv_dq": 512,
-        "mesh": str(mesh)
-    }
-    model = AutoXLAModelForCausalLM.from_pretrained(
-        path,
-        attn_implementation="splash_attention",
-        attention_config=sa_blocks,
-    )
-    # --- end of the seed's code ---
-    ids, mask = batch
-    with torch.no_grad():
-        got = model(input_ids=ids.to(backend.device()), attention_mask=mask.to(backend.device()))
-        want = reference_models("llama")(input_ids=ids, attention_mask=mask).logits
-    valid = mask.bool()
-    assert_close(got.logits.cpu()[valid], want[valid])
