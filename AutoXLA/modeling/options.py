@@ -95,7 +95,7 @@ class LoadOptions:
         from ..attention.hf import warn_once
 
         cfg = AttentionConfig.from_any(self.attention_config)   # checked even when unused
-        cfg = _with_original_keywords(cfg, self.attention_layer_indices,
+        cfg = fold_original_attention_keywords(cfg, self.attention_layer_indices,
                                       self.attention_partition_spec)
         self.attention_layer_indices = self.attention_partition_spec = None
         if self.attn_implementation == "eager":
@@ -128,7 +128,7 @@ class LoadOptions:
         self.do_quant = cfg is not None
 
 
-def _with_original_keywords(cfg, layer_indices, partition_spec):
+def fold_original_attention_keywords(cfg, layer_indices, partition_spec):
     """The original AutoXLA's two attention keywords folded into the AttentionConfig:
     ``attention_layer_indices`` is ``layers``; ``attention_partition_spec`` is the q/k/v spec,
     given whole (4 entries) or as (batch, heads) for [batch, heads, seq, head_dim]."""

@@ -247,9 +247,14 @@ def test_mesh_string_must_describe_the_model_mesh(checkpoints, xla_devices):
     with pytest.raises(ValueError, match=r"model is sharded over .*same mesh"):
         _load(checkpoints["llama"], "splash_attention", strategy="fsdp",
               attention_config={"mesh": str(other)})
+    # Without a data axis (the original AutoXLA's meshes) the string describes its three-axis
+    # form: fsdp's mesh, so accepted there and refused under 2d.
     no_data = xs.Mesh(np.arange(8), (8, 1), ("fsdp", "model"))
-    with pytest.raises(ValueError, match=r"needs axes named \('data', 'fsdp'\)"):
-        _load(checkpoints["llama"], "splash_attention", attention_config={"mesh": str(no_data)})
+    _load(checkpoints["llama"], "splash_attention", strategy="fsdp",
+          attention_config={"mesh": str(no_data)})
+    with pytest.raises(ValueError, match=r"model is sharded over .*same mesh"):
+        _load(checkpoints["llama"], "splash_attention", strategy="2d",
+              attention_config={"mesh": str(no_data)})
 
 
 def test_splash_attention_config_object_is_accepted(checkpoints, xla_devices):

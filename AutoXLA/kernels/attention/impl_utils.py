@@ -39,7 +39,7 @@ from torch import nn
 from ...attention.config import AttentionConfig
 from ...attention.patch import patch_attention
 # from_pretrained's own reading of the original's attention_layer_indices / attention_partition_spec
-from ...modeling.options import _with_original_keywords
+from ...modeling.options import fold_original_attention_keywords
 
 logger = logging.getLogger("AutoXLA")
 
@@ -84,7 +84,7 @@ class BaseAttentionPatcher:
                             f"{type(inner).__name__}")
         self._check_model_type(inner)
         _check_soft_cap(inner, self.logits_soft_cap)
-        cfg = _with_original_keywords(self.attention_config(inner), self.layer_indices, None)
+        cfg = fold_original_attention_keywords(self.attention_config(inner), self.layer_indices, None)
         mesh = self.kernel_mesh(inner)
         if mesh is None:
             warnings.warn(f"{type(inner).__name__} was not loaded by AutoXLA (no autoxla_mesh): "
@@ -145,7 +145,7 @@ class XLAFlashAttentionPatcher(BaseAttentionPatcher):
         self.mesh = mesh
         self.partition_spec = partition_spec
         # Validated now: a wrong spec is an error at construction, as a config's would be.
-        self._config = _with_original_keywords(AttentionConfig(), None, partition_spec)
+        self._config = fold_original_attention_keywords(AttentionConfig(), None, partition_spec)
 
     def attention_config(self, model: nn.Module) -> AttentionConfig:
         if self.mesh is None:
