@@ -20,11 +20,12 @@ COLUMN_NAMES = frozenset({
     "gate_proj", "up_proj", "gate_up_proj", "fc1", "lin1", "linear1", "w1", "w3", "c_fc",
     "wi", "wi_0", "wi_1", "dense_h_to_4h", "c_attn", "in_proj",
     "linear_1",   # vision-language projectors (Mistral 3, LLaVA): linear_1 -> act -> linear_2
+    "layer1",     # SAM 3's DETR heads and scoring MLP: layer1 -> relu -> layer2 [-> layer3]
 })
 ROW_NAMES = frozenset({
     "o_proj", "out_proj", "down_proj", "fc2", "lin2", "linear2", "w2", "proj", "dense_4h_to_h",
     "c_proj", "wo",
-    "linear_2",
+    "linear_2", "layer2",
 })
 # Which config field counts the heads a projection holds (split by whole heads only).
 _HEAD_FIELDS = {
@@ -33,9 +34,6 @@ _HEAD_FIELDS = {
     "v_proj": "num_key_value_heads", "value": "num_key_value_heads",
     "o_proj": "num_attention_heads",
 }
-# SAM 3's DETR heads and scoring MLP (Sam3DecoderMLP: layer1 -> relu -> layer2 [-> relu -> layer3]):
-# a column/row pair like fc1/fc2. No other transformers model names a Linear layer1 or layer2.
-COLUMN_NAMES, ROW_NAMES = COLUMN_NAMES | {"layer1"}, ROW_NAMES | {"layer2"}
 
 COLUMN, ROW, LINEAR = "column_linear", "row_linear", "linear"
 EMBEDDING, LM_HEAD, NORM, BIAS = "vocab_embedding", "lm_head", "norm", "bias"
