@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..sharding.configs import decoder_config
 from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
 from .hf import LayerAttention, register, warn_once
 
@@ -37,14 +38,6 @@ def patch_attention(model: nn.Module, implementation: str, cfg: AttentionConfig,
     if config is not None:
         set_decoder_attention(config, TRANSFORMERS_NAMES[implementation])
     return patched
-
-
-def decoder_config(config):
-    """The config of the text decoder: ``config`` itself, or its text sub-config (Mistral 3,
-    LLaVA: ``text_config``)."""
-    if config is None or not hasattr(config, "get_text_config"):
-        return config
-    return config.get_text_config(decoder=True)
 
 
 def set_decoder_attention(config, name: str) -> None:

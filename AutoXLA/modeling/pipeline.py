@@ -285,14 +285,12 @@ def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
     differ (attention_config's layers), which the plan then records as the reason."""
     if plan.stack is None or not plan.stack.scanned:
         return
-    from ..sharding.decoder_stack import find_stack, repeating_group
+    from ..sharding.decoder_stack import find_stack
     from .scan import stack_decoder
 
-    group, reason = repeating_group(list(find_stack(model)[1]))
-    if reason or group != plan.stack.group:
-        plan.stack = plan.stack.unrolled(reason or f"the layers now repeat every {group}")
-        return
-    stack_decoder(model, plan.stack, plan, mesh)
+    plan.stack = plan.stack.rechecked(find_stack(model)[1])
+    if plan.stack.scanned:
+        stack_decoder(model, plan.stack, plan, mesh)
 
 
 def plan_ties(plan: Plan) -> dict[str, str]:

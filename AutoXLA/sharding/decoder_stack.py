@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .configs import decoder_config, module_configs
+
 # Attributes that legitimately differ per layer: the index (used only to pick a cache layer, which
 # the scanned loop supplies) and nn.Module's own state.
 _PER_LAYER = {"layer_idx", "training"}
@@ -43,6 +45,17 @@ class StackPlan:
     def unrolled(self, reason: str) -> "StackPlan":
         return dataclasses.replace(self, scanned=False, reason=reason)
 
+    def rechecked(self, layers) -> "StackPlan":
+        """This plan for ``layers`` as they are now (an attention patch may have left some of
+        them eager since the plan was made): itself while they still repeat with its group,
+        else unrolled, saying why."""
+        if not self.scanned:
+            return self
+        group, reason = repeating_group(list(layers))
+        if reason or group != self.group:
+            return self.unrolled(reason or f"the layers now repeat every {group}")
+        return self
+
 
 def find_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """The ModuleList of decoder layers (transformers' ``_no_split_modules`` classes), or None.
@@ -50,15 +63,11 @@ def find_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     A vision-language model has two such lists (its vision tower's and its language model's):
     the decoder's is the one whose owning module holds the text decoder's config."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    found, owners = [], {}
-    for path, m in model.named_modules():
-        own = getattr(m, "config", None)
-        owners[path] = own if own is not None else owners.get(path.rpartition(".")[0])
-        if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ in names for c in m):
-            found.append((path, m))
+    found = [(path, m) for path, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ in names for c in m)]
     config = getattr(model, "config", None)
     if len(found) > 1 and hasattr(config, "get_text_config"):
-        decoder = config.get_text_config(decoder=True)
+        owners, decoder = module_configs(model, config), decoder_config(config)
         found = [(path, m) for path, m in found if owners[path] is decoder]
     return found[0] if len(found) == 1 else None
 

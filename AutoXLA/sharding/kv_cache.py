@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import rules
+from .configs import decoder_config
 from .mesh import MeshShape, format_spec
 
 
@@ -53,7 +54,7 @@ class KVCachePlan:
 
 def attention_shape(config) -> tuple[int, int, int]:
     """(decoder layers, kv heads, head dim) of a causal LM's config (its text config if nested)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = decoder_config(config)
     heads = getattr(text, "num_attention_heads", None)
     kv = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import rules
+from .configs import module_configs
 from .decoder_stack import StackPlan, plan_stack
 from .kv_cache import KVCachePlan, attention_shape, kv_cache_for
 from .mesh import AXES, MeshShape, format_spec
@@ -212,20 +213,6 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
                 quantization=report.config.to_dict() if report is not None else None,
                 attention=attention,
                 stack=plan_stack(model, scan_layers) if attention is not None else None)
-
-
-def module_configs(model: nn.Module, config) -> dict:
-    """Module path -> the config that describes it: the nearest enclosing module's own config,
-    else ``config``. A vision-language model's top config has no head counts: its language model
-    holds text_config and its vision tower vision_config, and heads are counted from those."""
-    from transformers import PretrainedConfig
-
-    out = {}
-    for path, m in model.named_modules():   # parents come before their children
-        own = getattr(m, "config", None)
-        inherited = out.get(path.rpartition(".")[0], config) if path else config
-        out[path] = own if path and isinstance(own, PretrainedConfig) else inherited
-    return out
 
 
 def _attention(model: nn.Module, config):

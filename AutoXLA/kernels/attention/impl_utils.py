@@ -38,6 +38,8 @@ from torch import nn
 
 from ...attention.config import AttentionConfig
 from ...attention.patch import patch_attention
+from ...saving import unwrap
+from ...sharding.configs import decoder_config
 # from_pretrained's own reading of the original's attention_layer_indices / attention_partition_spec
 from ...modeling.options import fold_original_attention_keywords
 
@@ -78,7 +80,7 @@ class BaseAttentionPatcher:
                             "or XLAFlashAttentionPatcher")
         if not inplace:
             model = _copy(model)
-        inner = getattr(model, "autoxla_module", None) or model   # inside an FSDPv2 wrapper
+        inner = unwrap(model)   # inside an FSDPv2 wrapper
         if getattr(inner, "config", None) is None:
             raise TypeError(f"{self.name} patches a transformers model (one with a config), got "
                             f"{type(inner).__name__}")
@@ -101,7 +103,7 @@ class BaseAttentionPatcher:
 
     def _check_model_type(self, model: nn.Module) -> None:
         config = model.config
-        types = {config.model_type, _decoder_config(config).model_type}
+        types = {config.model_type, decoder_config(config).model_type}
         if self.model_type is not None and self.model_type not in types:
             warnings.warn(f"model_type={self.model_type!r} is not used: the model is "
                           f"{config.model_type!r}, and AutoXLA patches every decoder attention "
@@ -127,7 +129,7 @@ class SplashAttentionPatcher(BaseAttentionPatcher):
     def from_model_config(model: nn.Module, layer_indices: Optional[Sequence[int]] = None,
                           **splash_kwargs) -> "SplashAttentionPatcher":
         """A patcher whose config has ``splash_kwargs`` and the model's own soft-cap."""
-        inner = getattr(model, "autoxla_module", None) or model
+        inner = unwrap(model)
         return SplashAttentionPatcher(AttentionConfig.from_any(splash_kwargs),
                                       layer_indices=layer_indices,
                                       logits_soft_cap=_model_soft_cap(inner))
@@ -169,7 +171,7 @@ class XLAFlashAttentionPatcher(BaseAttentionPatcher):
                           layer_indices: Optional[Sequence[int]] = None
                           ) -> "XLAFlashAttentionPatcher":
         """A patcher with the model's own soft-cap."""
-        inner = getattr(model, "autoxla_module", None) or model
+        inner = unwrap(model)
         return XLAFlashAttentionPatcher(mesh, partition_spec, layer_indices=layer_indices,
                                         logits_soft_cap=_model_soft_cap(inner))
 
@@ -220,13 +222,8 @@ def apply_xla_flash_attention(model: nn.Module, mesh: Any = None, partition_spec
 
 # -- helpers ---------------------------------------------------------------------------------
 
-def _decoder_config(config):
-    # A vision-language model's decoder is its text config (Mistral 3, LLaVA).
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
 def _model_soft_cap(model: nn.Module):
-    return getattr(_decoder_config(model.config), "attn_logit_softcapping", None)
+    return getattr(decoder_config(model.config), "attn_logit_softcapping", None)
 
 
 def _check_soft_cap(model: nn.Module, requested) -> None:
@@ -256,15 +253,11 @@ def _rescan(inner: nn.Module) -> None:
     patch made the layers differ (layer_indices), it runs unrolled, as from_pretrained decides
     when its attention_config['layers'] does the same (modeling/pipeline.py stack_layers)."""
     from ...modeling.scan import stack_of
-    from ...sharding.decoder_stack import repeating_group
 
     stack = stack_of(inner)
-    if stack is None or not stack.stack_plan.scanned:
+    if stack is None:
         return
-    group, reason = repeating_group(stack.shells)
-    if reason or group != stack.stack_plan.group:
-        why = reason or f"the layers now repeat every {group}"
-        stack.stack_plan = stack.stack_plan.unrolled(why)
-        plan = getattr(inner, "autoxla_plan", None)    # the wrapper's is the same Plan
-        if plan is not None:
-            plan.stack = stack.stack_plan     # generation reads it to pick its cache
+    stack.stack_plan = stack.stack_plan.rechecked(stack.shells)
+    plan = getattr(inner, "autoxla_plan", None)    # the wrapper's is the same Plan
+    if plan is not None and not stack.stack_plan.scanned:
+        plan.stack = stack.stack_plan     # generation reads it to pick its cache
