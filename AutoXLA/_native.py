@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 # Must equal AXL_ABI_VERSION in csrc/include/autoxla.h.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # axl_dtype values (autoxla.h) of the dtypes axl_convert takes.
 _CONVERT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -772,7 +772,8 @@ _Q_DTYPES = {8: torch.int8, 4: torch.uint8}
 
 
 class Quantized(NamedTuple):
-    """A weight quantized by quantize(): CPU tensors, for rows x cols and G = cols / block.
+    """A weight quantized by quantize(): CPU tensors, for rows x cols and G = ceil(cols /
+    block) blocks per row (the last one shorter when block does not divide cols).
 
     q: int8 (rows, cols) for 8 bits; uint8 (rows, ceil(cols / 2)) for 4 bits, two 4-bit
     two's complement values per byte, element 2j of a row in the low nibble (bits 0-3) of
@@ -816,8 +817,9 @@ def _check_bool(name: str, value: object) -> bool:
 
 
 def _check_block(block_size: object, cols: int) -> int:
-    """The C core's block size: -1 (per-channel) -> cols; else cols itself or a positive
-    multiple of 32 dividing cols."""
+    """The C core's block size: -1 (per-channel) -> cols; any size >= 1 otherwise, at most
+    cols (a block of cols or more is one per row). The last block of a row is shorter when
+    the size does not divide cols (G = ceil(cols / block) blocks per row)."""
     if isinstance(block_size, bool) or not hasattr(type(block_size), "__index__"):
         raise TypeError(
             f"block_size must be an int, got {type(block_size).__name__} ({block_size!r})"
@@ -825,14 +827,17 @@ def _check_block(block_size: object, cols: int) -> int:
     block = operator.index(block_size)
     if block == -1 or block == cols:
         return cols
-    if block > 0 and block % 32 == 0 and cols % block == 0:
-        return block
-    valid = [b for b in range(32, min(cols, 4096) + 1, 32) if cols % b == 0 and b != cols]
-    hint = f"; multiples of 32 dividing {cols}: {valid[:8]}" if valid else ""
+    if block >= 1:
+        return min(block, cols)
     raise ValueError(
-        f"block_size={block} does not fit a weight with {cols} columns: pass -1 (one scale "
-        f"per row), {cols} (the same), or a positive multiple of 32 that divides {cols}{hint}"
+        f"block_size={block} is not a block size: pass -1 (one scale per row) or a positive "
+        f"number of elements per block (e.g. 32; the last block of a row may be shorter)"
     )
+
+
+def _groups(cols: int, block: int) -> int:
+    """Blocks per row, G = ceil(cols / block) (0 for an empty row)."""
+    return -(-cols // block) if cols else 0
 
 
 def quantized_shape(rows: int, cols: int, bits: int) -> tuple[int, int]:
@@ -907,7 +912,9 @@ def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str
             f"{float(values[col])}); find where it comes from, or drop or clean that row "
             f"(e.g. torch.nan_to_num) before quantizing, {_SKIP_FIX}", "non_finite",
         )
-    blocks = values.view(-1, block)
+    groups = _groups(cols, block)
+    # Ragged rows: the short last block padded with 0, which min(., 0) / max(., 0) ignore.
+    blocks = torch.nn.functional.pad(values, (0, groups * block - cols)).view(groups, block)
     lo = blocks.min(dim=1).values.clamp(max=0)
     hi = blocks.max(dim=1).values.clamp(min=0)
     over = ~torch.isfinite(hi - lo)  # float32 arithmetic, as in the C core
@@ -923,7 +930,7 @@ def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str
             )
         return (
             f"row {row} of the weight is finite, but its block {col // block} (columns "
-            f"{col // block * block} to {(col // block + 1) * block - 1}) reaches "
+            f"{col // block * block} to {min((col // block + 1) * block, cols) - 1}) reaches "
             f"{float(values[col]):.6g} (column {col}), within about 2^-8 of the largest float32 "
             f"({torch.finfo(torch.float32).max:.6g}): its quantization grid (the scale times "
             f"the number of levels) overflows float32, so its extreme values would dequantize "
@@ -934,7 +941,7 @@ def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str
     c_lo, c_hi = g * block + int(part.argmin()), g * block + int(part.argmax())
     return (
         f"row {row} of the weight is finite, but its asymmetric block {g} (columns "
-        f"{g * block} to {(g + 1) * block - 1}) spans {float(values[c_lo]):.6g} (column "
+        f"{g * block} to {min((g + 1) * block, cols) - 1}) spans {float(values[c_lo]):.6g} (column "
         f"{c_lo}) to {float(values[c_hi]):.6g} (column {c_hi}): the range max - min = "
         f"{float(values[c_hi]) - float(values[c_lo]):.6g} overflows float32 arithmetic (largest "
         f"float32 {torch.finfo(torch.float32).max:.6g}), so no scale exists; scale the "
@@ -960,8 +967,8 @@ def quantize(
     w: a 2-D contiguous CPU tensor of float32, bfloat16 or float16, read in place.
     bits: 8 or 4. symmetric: True for q in [-qmax, qmax] with no zero point; False for the
     full range [qmin, qmax] with an int8 zero point per block. block_size: elements of a
-    row that share one scale: -1 (or cols) for one per row, else a positive multiple of 32
-    dividing cols. stats: also return max_err and sqnr_db per row (computed in the same
+    row that share one scale: -1 (or cols, or more) for one per row, else any size >= 1; the
+    last block of a row is shorter when it does not divide cols. stats: also return max_err and sqnr_db per row (computed in the same
     pass). scale_dtype: torch.float32 or torch.bfloat16, the dtype the scales are stored in.
     nthreads, isa: as for convert(). out: optional Quantized of tensors to fill (q, scale of
     scale_dtype; zero_point exactly when asymmetric; max_err and sqnr_db exactly when
@@ -994,7 +1001,7 @@ def quantize(
     scale_dtype = _check_scale_dtype(scale_dtype)
     rows, cols = w.shape
     block = _check_block(block_size, cols)
-    groups = cols // block if cols else 0
+    groups = _groups(cols, block)
     threads = _check_nthreads(nthreads)
     isa_code = _check_isa(isa)
     lib = _get_lib()  # before allocating: a missing library should fail first
@@ -1104,7 +1111,7 @@ def dequantize(
             f"quantizes to {q_shape}; check cols and bits"
         )
     block = _check_block(block_size, cols)
-    groups = cols // block if cols else 0
+    groups = _groups(cols, block)
     scale = _check_cpu_tensor("scale", scale, _SCALE_DTYPES, ": pass quantize()'s scale")
     if tuple(scale.shape) != (rows, groups):
         raise ValueError(

@@ -1,6 +1,7 @@
 /* fuzz_quantize.c - libFuzzer target for axl_quantize and axl_dequantize (autoxla.h).
  *
- * Input: 12 parameter bytes (fault, dtypes, bits, symmetric, rows, cols / block size,
+ * Input: 12 parameter bytes (fault, dtypes, bits, symmetric, rows, cols / block size (whole
+ * blocks of 32..256, ragged blocks of 1..64, or per-channel),
  * optional outputs, threads, isa, value mode), then the weight's element bits (repeated
  * to fill the matrix; NaN, Inf, huge and subnormal values come as they are, or, in the
  * value modes, with exponents held in a narrow range so that most blocks are finite and
@@ -123,6 +124,12 @@ static float scale_value(const uint8_t *scales, int dtype, int64_t i) {
     return f32_of_bits((uint32_t)h << 16);
 }
 
+/* One past the last element of block g: the last block of a row may be short. */
+static int64_t block_end(const shape *s, int64_t g) {
+    int64_t k1 = (g + 1) * s->block;
+    return k1 < s->cols ? k1 : s->cols;
+}
+
 /* The documented properties of a successful quantization (scalar result). */
 static void check_quantized(const void *w, const shape *s, const quant_out *o) {
     int qmax = s->bits == 8 ? 127 : 7, qmin = s->symmetric ? -qmax : -qmax - 1;
@@ -138,7 +145,7 @@ static void check_quantized(const void *w, const shape *s, const quant_out *o) {
                 fail("bf16 scale with low bits");
             if (s->symmetric && zp != 0) fail("symmetric zero point %d", zp);
             if (zp < qmin || zp > qmax) fail("zero point %d outside [%d, %d]", zp, qmin, qmax);
-            for (int64_t c = g * s->block; c < (g + 1) * s->block; c++) {
+            for (int64_t c = g * s->block; c < block_end(s, g); c++) {
                 float x = widen(w, s->src_dtype, r * s->cols + c);
                 int q = q_value(o->q, s, r, c);
                 if (q < qmin || q > qmax) fail("q %d outside [%d, %d]", q, qmin, qmax);
@@ -153,8 +160,8 @@ static void check_quantized(const void *w, const shape *s, const quant_out *o) {
                     fail("row %lld col %lld: |x - y| = |%a - %a| above scale/2 (scale %a)",
                          (long long)r, (long long)c, x, y, scale);
                 if (fabs(err) > max_err) max_err = fabs(err);
-                lanes_sig[c % 16] += (double)x * (double)x;
-                lanes_noise[c % 16] += err * err;
+                lanes_sig[(c - g * s->block) % 16] += (double)x * (double)x;
+                lanes_noise[(c - g * s->block) % 16] += err * err;
             }
         }
         double sig = 0, noise = 0;
@@ -227,7 +234,7 @@ static int64_t first_bad_row(const void *w, const shape *s) {
     for (int64_t r = 0; r < s->rows; r++)
         for (int64_t g = 0; g < s->groups; g++) {
             float lo = 0, hi = 0, amax = 0;
-            for (int64_t c = g * s->block; c < (g + 1) * s->block; c++) {
+            for (int64_t c = g * s->block; c < block_end(s, g); c++) {
                 float x = widen(w, s->src_dtype, r * s->cols + c);
                 if (!isfinite(x)) return r;
                 if (x < lo) lo = x;
@@ -289,6 +296,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (c16 & 0x8000) { /* blockwise: 1..8 blocks of 32..256 elements */
         s.block = 32 * (1 + (c16 & 7));
         s.cols = s.block * (1 + ((c16 >> 3) & 7));
+    } else if (c16 & 0x4000) { /* ragged: any block size 1..64 (or above cols), any width */
+        s.block = 1 + (c16 & 63);
+        s.cols = (c16 >> 6) & 255;
     } else { /* per-channel: any width */
         s.cols = c16 % 1200;
         s.block = s.cols;
@@ -298,7 +308,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t extra = take(&in);
     int64_t rows = s.rows, cols = s.cols, block = s.block;
 
-    s.groups = s.cols ? s.cols / s.block : 0;
+    s.groups = s.cols ? (s.cols + s.block - 1) / s.block : 0;
     int64_t numel = s.rows * s.cols;
     size_t es = dtype_size(s.src_dtype), scs = dtype_size(s.scale_dtype);
     s.w_bytes = (size_t)numel * es;
@@ -329,7 +339,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     case F_NEG_COLS: cols = -1 - extra; break;
     case F_BITS: bits = extra & 1 ? 0 : 5 + extra % 4 * 3; break; /* 0, 5, 8 avoided below */
     case F_SYMMETRIC: symmetric = extra & 1 ? -1 : 2 + extra % 3; break;
-    case F_BLOCK: block = extra & 1 ? -(int64_t)(extra % 3) : 16 + 32 * (extra % 4) + extra % 2; break;
+    case F_BLOCK: block = extra & 1 ? -(int64_t)(extra % 3) : INT64_MIN + extra % 2; break;
     case F_THREADS: qthreads = -1 - extra % 5; break;
     case F_ISA: qisa = extra & 1 ? -1 : AXL_ISA_COUNT + extra % 3; break;
     case F_NULL_Q: q = NULL; break;
@@ -364,8 +374,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (rows < 0 || cols < 0) mask |= BIT(AXL_ERR_BAD_SIZE);
     if ((bits != 4 && bits != 8) || (symmetric != 0 && symmetric != 1))
         mask |= BIT(AXL_ERR_BAD_FORMAT);
-    if (cols >= 0 && !(block == cols || (block > 0 && block % 32 == 0 && cols % block == 0)))
-        mask |= BIT(AXL_ERR_BAD_SIZE);
+    if (cols >= 0 && block != cols && block < 1) mask |= BIT(AXL_ERR_BAD_SIZE);
     if (qthreads < 0) mask |= BIT(AXL_ERR_BAD_THREADS);
     if (!isa_available(qisa)) mask |= BIT(AXL_ERR_UNSUPPORTED_ISA);
     int structural = mask != 0;

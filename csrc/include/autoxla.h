@@ -21,7 +21,7 @@ extern "C" {
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
  * _native.py refuses a library whose axl_abi_version() differs from its own. */
-#define AXL_ABI_VERSION 5
+#define AXL_ABI_VERSION 6
 
 /* Threads a single call may use; larger requests are clamped to this. */
 #define AXL_MAX_THREADS 256
@@ -187,9 +187,12 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  * A weight w is a dense row-major (rows, cols) matrix of F32, BF16 or F16, read in place
  * (never copied to fp32 as a whole). Each run of block_size consecutive elements of a row
  * (a "block") shares one scale, stored as F32 or BF16 (scale_dtype), and, asymmetric, one
- * int8 zero point. Valid block sizes: block_size == cols (per-channel, one block per row), or
- * a positive multiple of 32 dividing cols; anything else is AXL_ERR_BAD_SIZE. G = cols / block_size blocks per row
- * (G = 0 when cols == 0).
+ * int8 zero point. Any block_size >= 1 is valid (and block_size == cols also when cols == 0);
+ * block_size < 1 otherwise is AXL_ERR_BAD_SIZE. A row has G = ceil(cols / block_size) blocks
+ * (G = 0 when cols == 0): block g holds elements [g * block_size, min((g + 1) * block_size,
+ * cols)), so the last one is shorter ("ragged") when block_size does not divide cols, and
+ * block_size >= cols means one block per row (per-channel). Every ISA gives the same bits for
+ * every block size.
  *
  * Layouts (all dense, row-major):
  *   q, bits 8:  (rows, cols) int8.
@@ -248,8 +251,10 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  *   dq = the fp32 dequantized value above; err = (double)x - (double)dq;
  *   max_err[r] = (float) max |err| over the row;
  *   signal = sum (double)x * (double)x, noise = sum err * err, each accumulated in double
- *   in 16 lanes: element k of the row (k = 0 .. cols-1) is added to lane k % 16, and the
- *   lanes are summed in order, (((l0 + l1) + l2) + ...) + l15;
+ *   in 16 lanes: the element at position p of its block (p = k - g * block_size for element
+ *   k of block g) is added to lane p % 16, blocks in order (for block sizes that are
+ *   multiples of 16, and per-channel rows, that is lane k % 16), and the lanes are summed in
+ *   order, (((l0 + l1) + l2) + ...) + l15;
  *   sqnr_db[r] = noise == 0 ? +Inf : (float)(10 * log10(signal / noise)) (-Inf when
  *   signal == 0 < noise).
  * zero_points: required when asymmetric; when symmetric it may be NULL, and if given is

@@ -70,8 +70,8 @@ axl_convert_fn axl_convert_kernel(int isa, int src_dtype, int dst_dtype);
 
 typedef struct axl_qformat {
     int64_t cols;   /* elements per row, >= 1 */
-    int64_t block;  /* elements per block: cols, or a multiple of 32 dividing cols */
-    int64_t groups; /* blocks per row: cols / block */
+    int64_t block;  /* elements per block, 1..cols; the last block of a row may be shorter */
+    int64_t groups; /* blocks per row: ceil(cols / block) */
     int bits;       /* 8 or 4 */
     int symmetric;  /* 1: q in [-qmax, qmax], zero point 0; 0: q in [qmin, qmax] */
     int stream;     /* 1: q is large; a kernel may write it with non-temporal stores */
@@ -82,8 +82,15 @@ typedef struct axl_qformat {
  * they would only evict the weight being read, and a large q is read much later. */
 #define AXL_STREAM_MIN_BYTES ((int64_t)1 << 20)
 
-/* Lanes of the error statistics' double accumulators: element k of a row goes to k % 16. */
+/* Lanes of the error statistics' double accumulators: the element at position p of its
+ * block (p = k - g * block) goes to lane p % 16. */
 #define AXL_QLANES 16
+
+/* One past the last element of block g (the last block of a row may be short). */
+static inline int64_t axl_block_end(const axl_qformat *f, int64_t g) {
+    int64_t k1 = (g + 1) * f->block;
+    return k1 < f->cols ? k1 : f->cols;
+}
 
 /* One row. w: (cols,) of the kernel's source dtype. q: (cols,) int8 for 8 bits, or
  * (ceil(cols/2),) uint8 of nibble pairs (element 2j low, 2j+1 high) for 4 bits.
@@ -140,6 +147,22 @@ AXL_DECLARE_QUANT(ref)
 AXL_DECLARE_QUANT(avx2)
 AXL_DECLARE_QUANT(avx512)
 #endif
+
+/* The reference row kernels for any source / destination dtype: what a vectorised kernel
+ * runs for a format it has no vector loop for (odd int4 blocks, AVX2 blocks that are not a
+ * multiple of 16), so that the result is the reference's by construction. */
+int axl_quant_row_ref_any(const void *w, int src_dtype, const axl_qformat *f, void *q,
+                          void *scales, int8_t *zp, float *max_err, float *sqnr_db);
+void axl_dequant_row_ref_any(const void *q, const void *scales, const int8_t *zp,
+                             const axl_qformat *f, void *out, int dst_dtype);
+
+/* Block g of a row, as the reference does it: set-up, q (4 bits: nibbles ORed into place
+ * for an odd start), the scale and zero point, and, when signal is not NULL, the block's
+ * elements added to the statistics lanes after those already there. Returns 1 if the
+ * block is non-finite (as axl_quant_row_fn). For a vector kernel's short last block. */
+int axl_quant_block_ref(const void *w, int src_dtype, const axl_qformat *f, int64_t g, void *q,
+                        void *scales, int8_t *zp, double *signal, double *noise,
+                        double *max_abs_err);
 
 static inline float axl_f32_from_bits(uint32_t b) {
     float f;

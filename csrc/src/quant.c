@@ -107,14 +107,13 @@ static int check_sizes(int64_t rows, int64_t cols, int64_t *numel) {
     return AXL_OK;
 }
 
-/* block_size == cols (per-channel), or a positive multiple of 32 dividing cols. */
-static int check_block(int64_t cols, int64_t block, int64_t *groups) {
-    if (block == cols) {
-        *groups = cols ? 1 : 0;
-        return AXL_OK;
-    }
-    if (block <= 0 || block % 32 || cols % block) return AXL_ERR_BAD_SIZE;
-    *groups = cols / block;
+/* Any block_size >= 1 (block_size == cols is valid also for cols == 0): G = ceil(cols /
+ * block) blocks per row, the last one shorter when block does not divide cols; a block of
+ * cols or more is one per row. *block is the size the kernels use, at most cols. */
+static int check_block(int64_t cols, int64_t *block, int64_t *groups) {
+    if (*block != cols && *block < 1) return AXL_ERR_BAD_SIZE;
+    if (*block > cols) *block = cols;
+    *groups = cols ? (cols - 1) / *block + 1 : 0;
     return AXL_OK;
 }
 
@@ -185,7 +184,7 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
     int status = check_sizes(rows, cols, &numel);
     if (status != AXL_OK) return status;
     if ((bits != 4 && bits != 8) || (symmetric != 0 && symmetric != 1)) return AXL_ERR_BAD_FORMAT;
-    status = check_block(cols, block_size, &groups);
+    status = check_block(cols, &block_size, &groups);
     if (status != AXL_OK) return status;
     if (nthreads < 0) return AXL_ERR_BAD_THREADS;
     status = axl_resolve_isa(isa, &isa);
@@ -283,7 +282,7 @@ int axl_dequantize(const void *q, const void *scales, int scale_dtype, const int
     int status = check_sizes(rows, cols, &numel);
     if (status != AXL_OK) return status;
     if (bits != 4 && bits != 8) return AXL_ERR_BAD_FORMAT;
-    status = check_block(cols, block_size, &groups);
+    status = check_block(cols, &block_size, &groups);
     if (status != AXL_OK) return status;
     if (nthreads < 0) return AXL_ERR_BAD_THREADS;
     status = axl_resolve_isa(isa, &isa);

@@ -86,9 +86,10 @@ AXL_AVX2 INLINE void stats_add16(stats16 *s, __m256 x0, __m256 x1, __m256 d0, __
 }
 
 /* See axl_quant_row_fn in internal.h; src_dtype, bits, symmetric and stats are constants
- * after inlining. Blocks are multiples of 32, so only a per-channel row whose length is
- * not a multiple of 16 has a tail: its last < 16 elements, at most one per lane, which the
- * scalar code adds after the vector lanes, the order of quant_ref.c. */
+ * after inlining. For rows of one block, or blocks of a multiple of 16 (quant_row_any), only
+ * the row's last block can have a tail: its last < 16 elements, at most one per lane, which
+ * the scalar code adds after the vector lanes, the order of quant_ref.c (the lanes are
+ * positions within a block, and such blocks start at multiples of 16). */
 AXL_AVX2 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f, void *q,
                               void *scales, int8_t *zp, float *max_err, float *sqnr_db,
                               const int bits, const int symmetric, const int stats) {
@@ -104,7 +105,7 @@ AXL_AVX2 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f
     double tail_signal[AXL_QLANES] = {0}, tail_noise[AXL_QLANES] = {0}, tail_max = 0;
 
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t k0 = g * block, k1 = k0 + block, kv = k0 + (k1 - k0) / 16 * 16;
+        const int64_t k0 = g * block, k1 = axl_block_end(f, g), kv = k0 + (k1 - k0) / 16 * 16;
         /* Pass 1: the block's range; |x| as integer bits, so no NaN or Inf hides. */
         __m256i a = _mm256_setzero_si256();
         __m256 l = _mm256_setzero_ps(), u = _mm256_setzero_ps();
@@ -202,6 +203,10 @@ AXL_AVX2 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f
 AXL_AVX2 INLINE int quant_row_any(const void *w, int src_dtype, const axl_qformat *f, void *q,
                                   void *scales, int8_t *zp, float *max_err, float *sqnr_db) {
     const int stats = max_err || sqnr_db;
+    /* Several blocks with tails: each tail would have to join the lanes in order, which the
+     * vector loop does not do; such (unusual) formats take the reference's path. */
+    if (f->groups > 1 && f->block % 16)
+        return axl_quant_row_ref_any(w, src_dtype, f, q, scales, zp, max_err, sqnr_db);
 #define QR(b, sym, st) quant_row(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, b, sym, st)
     if (f->bits == 8) {
         if (f->symmetric) return stats ? QR(8, 1, 1) : QR(8, 1, 0);
@@ -251,7 +256,9 @@ AXL_AVX2 INLINE void dequant_row(const void *q, const void *scales, const int8_t
     float stage[STAGE];
     int64_t staged_from = 0, staged = 0; /* stage holds elements [staged_from, +staged) */
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t k0 = g * block, k1 = k0 + block, kv = k0 + (k1 - k0) / 16 * 16;
+        const int64_t k0 = g * block, k1 = axl_block_end(f, g);
+        /* 4-bit blocks that start on an odd element (odd block sizes): all scalar. */
+        const int64_t kv = bits == 4 && (k0 & 1) ? k0 : k0 + (k1 - k0) / 16 * 16;
         const float scale = axl_scale_load(scales, f->scale_dtype, g);
         const int32_t z = zp ? zp[g] : 0;
         const __m256 scale_v = _mm256_set1_ps(scale);

@@ -164,7 +164,7 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
         uint32_t amax[CHUNK];
         float lo[CHUNK], hi[CHUNK];
         for (int b = 0; b < nb; b++) {
-            const int64_t k0 = (g0 + b) * block, k1 = k0 + block;
+            const int64_t k0 = (g0 + b) * block, k1 = axl_block_end(f, g0 + b);
             __m512i a = _mm512_setzero_si512();
             __m512 l = zero, u = zero; /* masked-out lanes are 0: neutral, 0 is in range */
             for (int64_t k = k0; k < k1; k += 16) {
@@ -201,7 +201,7 @@ AXL_AVX512 INLINE int quant_row_masked(const void *w, int src_dtype, const axl_q
 
         /* Pass 2: the values and statistics, from cache. */
         for (int b = 0; b < nb; b++) {
-            const int64_t k0 = (g0 + b) * block, k1 = k0 + block;
+            const int64_t k0 = (g0 + b) * block, k1 = axl_block_end(f, g0 + b);
             const __m512 inv_v = _mm512_set1_ps(inv[b]), scale_v = _mm512_set1_ps(scale[b]);
             const __m512i zp_v = _mm512_set1_epi32(zpi[b]);
             for (int64_t k = k0; k < k1; k += 16) {
@@ -362,21 +362,24 @@ AXL_AVX512 INLINE void stats_add32(stats16 *s, int even_odd, __m512 x0, __m512 x
         }
 }
 
-AXL_AVX512 INLINE void stats_finish32(const stats16 *s, int even_odd, float *max_err,
-                                      float *sqnr_db) {
+/* The lanes in order (lane l in signal[l], noise[l]) and the largest |error|. */
+AXL_AVX512 INLINE void stats_export32(const stats16 *s, int even_odd, double *signal,
+                                      double *noise, double *max_abs_err) {
+    *max_abs_err = _mm512_reduce_max_pd(_mm512_max_pd(s->max_abs_err[0], s->max_abs_err[1]));
     if (!even_odd) {
-        stats_finish(s, max_err, sqnr_db);
+        _mm512_storeu_pd(signal, s->signal[0]);
+        _mm512_storeu_pd(signal + 8, s->signal[1]);
+        _mm512_storeu_pd(noise, s->noise[0]);
+        _mm512_storeu_pd(noise + 8, s->noise[1]);
         return;
     }
-    double e[8], o[8], signal[AXL_QLANES], noise[AXL_QLANES];
+    double e[8], o[8];
     _mm512_storeu_pd(e, s->signal[0]);
     _mm512_storeu_pd(o, s->signal[1]);
     for (int j = 0; j < 8; j++) signal[2 * j] = e[j], signal[2 * j + 1] = o[j];
     _mm512_storeu_pd(e, s->noise[0]);
     _mm512_storeu_pd(o, s->noise[1]);
     for (int j = 0; j < 8; j++) noise[2 * j] = e[j], noise[2 * j + 1] = o[j];
-    double m = _mm512_reduce_max_pd(_mm512_max_pd(s->max_abs_err[0], s->max_abs_err[1]));
-    axl_qstats_finish(signal, noise, m, max_err, sqnr_db);
 }
 
 /* Two vectors of int32 values in [-2^15, 2^15) (load32 layout) -> 32 int16 in element
@@ -500,7 +503,9 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
                                      void *q, void *scales, int8_t *zp, float *max_err,
                                      float *sqnr_db, const int bits, const int symmetric,
                                      const int stats, const int64_t fixed_block) {
-    const int64_t block = fixed_block ? fixed_block : f->block, groups = f->groups;
+    const int64_t block = fixed_block ? fixed_block : f->block;
+    /* The full blocks; a short last block (ragged rows) is the reference's, below. */
+    const int64_t groups = f->cols / block;
     const int eo = EVEN_ODD(src_dtype), wide = src_dtype == AXL_F32;
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
     const __m512 zero = _mm512_setzero_ps();
@@ -619,7 +624,14 @@ AXL_AVX512 INLINE int quant_row_fast(const void *w, int src_dtype, const axl_qfo
         }
     }
     if (stream) _mm_sfence(); /* order the streamed q before the caller's next reads */
-    if (stats) stats_finish32(&st, eo, max_err, sqnr_db);
+    double signal[AXL_QLANES], noise[AXL_QLANES], m = 0;
+    if (stats) stats_export32(&st, eo, signal, noise, &m);
+    /* The short last block: its elements are the last of each lane, as in the reference. */
+    if (groups < f->groups &&
+        axl_quant_block_ref(w, src_dtype, f, groups, q, scales, zp, stats ? signal : NULL, noise,
+                            &m))
+        return 1;
+    if (stats) axl_qstats_finish(signal, noise, m, max_err, sqnr_db);
     return 0;
 }
 
@@ -653,6 +665,10 @@ AXL_AVX512 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat 
 AXL_AVX512 INLINE int quant_row_any(const void *w, int src_dtype, const axl_qformat *f, void *q,
                                     void *scales, int8_t *zp, float *max_err, float *sqnr_db) {
     const int stats = max_err || sqnr_db;
+    /* 4-bit blocks of an odd size start on odd elements, half-way into a byte: the vector
+     * loops store whole bytes, so these (unusual) formats take the reference's path. */
+    if (f->bits == 4 && f->groups > 1 && (f->block & 1))
+        return axl_quant_row_ref_any(w, src_dtype, f, q, scales, zp, max_err, sqnr_db);
 #define QR(b, sym, st) quant_row(w, src_dtype, f, q, scales, zp, max_err, sqnr_db, b, sym, st)
     if (f->bits == 8) {
         if (f->symmetric) return stats ? QR(8, 1, 1) : QR(8, 1, 0);
@@ -667,6 +683,18 @@ AXL_AVX512 INLINE int quant_row_any(const void *w, int src_dtype, const axl_qfor
  * f32 -> dst_dtype kernel of convert_avx512.c (the rounding of axl_convert). */
 #define STAGE 512
 
+/* Converts the staged elements into out from element *from on, and empties the stage. */
+AXL_AVX512 INLINE void flush_stage(const float *stage, void *out, int64_t *from, int64_t *n,
+                                   int dst_dtype) {
+    uint16_t *dst = (uint16_t *)out + *from;
+    if (dst_dtype == AXL_BF16)
+        axl_convert_f32_bf16_avx512(stage, dst, *n);
+    else
+        axl_convert_f32_f16_avx512(stage, dst, *n);
+    *from += *n;
+    *n = 0;
+}
+
 /* See axl_dequant_row_fn in internal.h. */
 AXL_AVX512 INLINE void dequant_row(const void *q, const void *scales, const int8_t *zp,
                                    const axl_qformat *f, void *out, int dst_dtype,
@@ -677,9 +705,24 @@ AXL_AVX512 INLINE void dequant_row(const void *q, const void *scales, const int8
     float stage[STAGE];
     int64_t staged_from = 0, staged = 0; /* stage holds elements [staged_from, +staged) */
     for (int64_t g = 0; g < groups; g++) {
-        const int64_t k0 = g * block, k1 = k0 + block;
-        const __m512 scale_v = _mm512_set1_ps(axl_scale_load(scales, f->scale_dtype, g));
-        const __m512i zp_v = _mm512_set1_epi32(zp ? zp[g] : 0);
+        const int64_t k0 = g * block, k1 = axl_block_end(f, g);
+        const float scale = axl_scale_load(scales, f->scale_dtype, g);
+        const int32_t z = zp ? zp[g] : 0;
+        if (bits == 4 && (k0 & 1)) { /* starts half-way into a byte (odd blocks): scalar */
+            for (int64_t k = k0; k < k1; k++) {
+                float y = axl_dqvalue(axl_nibble_value((q4[k >> 1] >> (4 * (k & 1))) & 0xFu), z,
+                                      scale);
+                if (dst_dtype == AXL_F32) {
+                    ((float *)out)[k] = y;
+                    continue;
+                }
+                if (staged == STAGE) flush_stage(stage, out, &staged_from, &staged, dst_dtype);
+                stage[staged++] = y;
+            }
+            continue;
+        }
+        const __m512 scale_v = _mm512_set1_ps(scale);
+        const __m512i zp_v = _mm512_set1_epi32(z);
         for (int64_t k = k0; k < k1; k += 16) {
             const int64_t n = k1 - k < 16 ? k1 - k : 16;
             const __mmask16 m = first_lanes(n);
@@ -694,21 +737,13 @@ AXL_AVX512 INLINE void dequant_row(const void *q, const void *scales, const int8
                 _mm512_mask_storeu_ps((float *)out + k, m, y);
                 continue;
             }
-            /* Steps start at multiples of 16 and only the row's last one is short, so a
-             * step never straddles a flush of the stage. */
+            /* Every element passes through the stage in order (short steps at block ends). */
+            if (staged + 16 > STAGE) flush_stage(stage, out, &staged_from, &staged, dst_dtype);
             _mm512_mask_storeu_ps(stage + staged, m, y);
             staged += n;
-            if (staged == STAGE || k + n == f->cols) {
-                uint16_t *dst = (uint16_t *)out + staged_from;
-                if (dst_dtype == AXL_BF16)
-                    axl_convert_f32_bf16_avx512(stage, dst, staged);
-                else
-                    axl_convert_f32_f16_avx512(stage, dst, staged);
-                staged_from += staged;
-                staged = 0;
-            }
         }
     }
+    if (staged) flush_stage(stage, out, &staged_from, &staged, dst_dtype);
 }
 
 AXL_DEFINE_QUANT_ROWS(AXL_AVX512, avx512, f32, AXL_F32)

@@ -25,57 +25,78 @@ static inline float load_elem(const void *w, int src_dtype, int64_t k) {
     }
 }
 
+/* Block g of a row; see axl_quant_block_ref in internal.h. */
+static inline int quant_block(const void *w, int src_dtype, const axl_qformat *f, int64_t g,
+                              void *q, void *scales, int8_t *zp, double *signal, double *noise,
+                              double *max_abs_err) {
+    const int32_t qmax = axl_qmax(f), qmin = axl_qmin(f);
+    int8_t *q8 = q;
+    uint8_t *q4 = q;
+    const int64_t k0 = g * f->block, k1 = axl_block_end(f, g);
+    /* Pass 1: the block's range. |x| as integer bits: a NaN or Inf cannot hide in a
+     * max, and its bits are >= those of Inf. */
+    uint32_t amax = 0;
+    float lo = 0, hi = 0;
+    for (int64_t k = k0; k < k1; k++) {
+        float x = load_elem(w, src_dtype, k);
+        uint32_t a = axl_bits_of_f32(x) & 0x7FFFFFFFu;
+        if (a > amax) amax = a;
+        if (x < lo) lo = x;
+        if (x > hi) hi = x;
+    }
+    if (amax >= 0x7F800000u) return 1;
+    float scale, inv;
+    int32_t z = 0;
+    if (f->symmetric)
+        axl_qparams_sym(axl_f32_from_bits(amax), (float)qmax, f->scale_dtype, &scale, &inv);
+    else if (axl_qparams_asym(lo, hi, qmin, qmax, f->scale_dtype, &scale, &inv, &z))
+        return 1;
+    /* A block whose grid, scale * qmax (symmetric) or scale * (qmax - qmin), overflows
+     * fp32 (elements within about 2^-8 of FLT_MAX): its extreme values would dequantize
+     * to Inf, so the row is non-finite. */
+    if (scale * (float)(f->symmetric ? qmax : qmax - qmin) == INFINITY) return 1;
+    axl_scale_store(scales, f->scale_dtype, g, scale);
+    if (zp) zp[g] = (int8_t)z;
+    /* Pass 2: the values, from cache. */
+    for (int64_t k = k0; k < k1; k++) {
+        float x = load_elem(w, src_dtype, k);
+        int32_t v = axl_qvalue(x, inv, z, qmin, qmax);
+        if (f->bits == 8)
+            q8[k] = (int8_t)v;
+        else if (k & 1)
+            q4[k >> 1] |= (uint8_t)((v & 0xF) << 4);
+        else
+            q4[k >> 1] = (uint8_t)(v & 0xF); /* also clears the high nibble */
+        if (signal) {
+            const int64_t l = (k - k0) % AXL_QLANES;
+            axl_qstats_add(x, axl_dqvalue(v, z, scale), &signal[l], &noise[l], max_abs_err);
+        }
+    }
+    return 0;
+}
+
+int axl_quant_block_ref(const void *w, int src_dtype, const axl_qformat *f, int64_t g, void *q,
+                        void *scales, int8_t *zp, double *signal, double *noise,
+                        double *max_abs_err) {
+    return quant_block(w, src_dtype, f, g, q, scales, zp, signal, noise, max_abs_err);
+}
+
 /* See axl_quant_row_fn in internal.h. */
 static inline int quant_row(const void *w, int src_dtype, const axl_qformat *f, void *q,
                             void *scales, int8_t *zp, float *max_err, float *sqnr_db) {
     const int stats = max_err || sqnr_db;
-    const int32_t qmax = axl_qmax(f), qmin = axl_qmin(f);
-    int8_t *q8 = q;
-    uint8_t *q4 = q;
     double signal[AXL_QLANES] = {0}, noise[AXL_QLANES] = {0}, max_abs_err = 0;
-    for (int64_t g = 0; g < f->groups; g++) {
-        const int64_t k0 = g * f->block, k1 = k0 + f->block;
-        /* Pass 1: the block's range. |x| as integer bits: a NaN or Inf cannot hide in a
-         * max, and its bits are >= those of Inf. */
-        uint32_t amax = 0;
-        float lo = 0, hi = 0;
-        for (int64_t k = k0; k < k1; k++) {
-            float x = load_elem(w, src_dtype, k);
-            uint32_t a = axl_bits_of_f32(x) & 0x7FFFFFFFu;
-            if (a > amax) amax = a;
-            if (x < lo) lo = x;
-            if (x > hi) hi = x;
-        }
-        if (amax >= 0x7F800000u) return 1;
-        float scale, inv;
-        int32_t z = 0;
-        if (f->symmetric)
-            axl_qparams_sym(axl_f32_from_bits(amax), (float)qmax, f->scale_dtype, &scale, &inv);
-        else if (axl_qparams_asym(lo, hi, qmin, qmax, f->scale_dtype, &scale, &inv, &z))
+    for (int64_t g = 0; g < f->groups; g++)
+        if (quant_block(w, src_dtype, f, g, q, scales, zp, stats ? signal : NULL, noise,
+                        &max_abs_err))
             return 1;
-        /* A block whose grid, scale * qmax (symmetric) or scale * (qmax - qmin), overflows
-         * fp32 (elements within about 2^-8 of FLT_MAX): its extreme values would dequantize
-         * to Inf, so the row is non-finite. */
-        if (scale * (float)(f->symmetric ? qmax : qmax - qmin) == INFINITY) return 1;
-        axl_scale_store(scales, f->scale_dtype, g, scale);
-        if (zp) zp[g] = (int8_t)z;
-        /* Pass 2: the values, from cache. */
-        for (int64_t k = k0; k < k1; k++) {
-            float x = load_elem(w, src_dtype, k);
-            int32_t v = axl_qvalue(x, inv, z, qmin, qmax);
-            if (f->bits == 8)
-                q8[k] = (int8_t)v;
-            else if (k & 1)
-                q4[k >> 1] |= (uint8_t)((v & 0xF) << 4);
-            else
-                q4[k >> 1] = (uint8_t)(v & 0xF); /* also clears the high nibble */
-            if (stats)
-                axl_qstats_add(x, axl_dqvalue(v, z, scale), &signal[k % AXL_QLANES],
-                               &noise[k % AXL_QLANES], &max_abs_err);
-        }
-    }
     if (stats) axl_qstats_finish(signal, noise, max_abs_err, max_err, sqnr_db);
     return 0;
+}
+
+int axl_quant_row_ref_any(const void *w, int src_dtype, const axl_qformat *f, void *q,
+                          void *scales, int8_t *zp, float *max_err, float *sqnr_db) {
+    return quant_row(w, src_dtype, f, q, scales, zp, max_err, sqnr_db);
 }
 
 /* Stores y as element k of a row of dst_dtype, rounded as axl_convert rounds. */
@@ -93,7 +114,7 @@ static inline void dequant_row(const void *q, const void *scales, const int8_t *
     const int8_t *q8 = q;
     const uint8_t *q4 = q;
     for (int64_t g = 0; g < f->groups; g++) {
-        const int64_t k0 = g * f->block, k1 = k0 + f->block;
+        const int64_t k0 = g * f->block, k1 = axl_block_end(f, g);
         const float scale = axl_scale_load(scales, f->scale_dtype, g);
         const int32_t z = zp ? zp[g] : 0;
         for (int64_t k = k0; k < k1; k++) {
@@ -101,6 +122,11 @@ static inline void dequant_row(const void *q, const void *scales, const int8_t *
             store_elem(out, dst_dtype, k, axl_dqvalue(v, z, scale));
         }
     }
+}
+
+void axl_dequant_row_ref_any(const void *q, const void *scales, const int8_t *zp,
+                             const axl_qformat *f, void *out, int dst_dtype) {
+    dequant_row(q, scales, zp, f, out, dst_dtype);
 }
 
 #define QUANT_REF(name, dtype)                                                             \

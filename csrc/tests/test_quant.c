@@ -147,7 +147,7 @@ static void qres_init(qres *r, int64_t rows, int64_t cols, int bits, int64_t blo
     r->bits = bits;
     r->scale_dtype = scale_dtype;
     r->scale_size = axl_dtype_size(scale_dtype);
-    r->groups = cols ? cols / block : 0;
+    r->groups = cols ? (cols - 1) / (block < cols ? block : cols) + 1 : 0;
     r->q_bytes = (size_t)(rows * q_row_bytes(cols, bits));
     r->q = guarded(r->q_bytes);
     r->scales = guarded((size_t)(rows * r->groups) * r->scale_size);
@@ -236,7 +236,8 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
         double sig[16] = {0}, noi[16] = {0}, emax = 0;
         for (int64_t g = 0; g < r->groups; g++) {
             float lo = 0, hi = 0, amax = 0;
-            for (int64_t k = g * block; k < (g + 1) * block; k++) {
+            const int64_t k1 = (g + 1) * block < r->cols ? (g + 1) * block : r->cols;
+            for (int64_t k = g * block; k < k1; k++) {
                 float x = get(w, dt, row * r->cols + k);
                 amax = fabsf(x) > amax ? fabsf(x) : amax;
                 lo = x < lo ? x : lo;
@@ -259,7 +260,7 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                 bad++;
                 continue;
             }
-            for (int64_t k = g * block; k < (g + 1) * block; k++) {
+            for (int64_t k = g * block; k < k1; k++) {
                 float x = get(w, dt, row * r->cols + k);
                 int32_t v = (int32_t)nearbyintf(x * inv) + zp;
                 v = v < qmin ? qmin : v > qmax ? qmax : v;
@@ -290,8 +291,8 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                     bad++;
                     break;
                 }
-                sig[k % 16] += (double)x * (double)x;
-                noi[k % 16] += e * e;
+                sig[(k - g * block) % 16] += (double)x * (double)x; /* lane: position */
+                noi[(k - g * block) % 16] += e * e;                 /* within the block */
                 emax = fabs(e) > emax ? fabs(e) : emax;
             }
         }
@@ -333,12 +334,18 @@ static void check_dequant_formula(const qres *r, int symmetric, int64_t block, i
 
 /* ---- every ISA against the reference ----------------------------------------------------- */
 
-/* Block sizes of a width: per-channel, then the multiples of 32 dividing it up to 1024. */
+/* Block sizes of a width: per-channel, the multiples of 32 dividing it up to 1024, and
+ * ragged ones (a short last block): 32 and 64 when they do not divide it, an odd size, and
+ * one above cols (one block per row). */
 static int block_sizes(int64_t cols, int64_t *out) {
     int n = 0;
     out[n++] = cols;
     for (int64_t b = 32; b <= 1024 && b < cols; b += 32)
         if (cols % b == 0) out[n++] = b;
+    if (cols > 32 && cols % 32) out[n++] = 32;
+    if (cols > 64 && cols % 64) out[n++] = 64;
+    if (cols > 13) out[n++] = 13;
+    out[n++] = cols + 5;
     return n;
 }
 
@@ -427,6 +434,36 @@ static void test_isas_match_reference(void) {
             check_weight(w, float_dtypes[a], rows, cols, opts);
             free(w);
         }
+}
+
+/* Ragged blocks (a short last block per row) and odd block sizes, where int4 blocks start
+ * half-way into a byte: every width 1..97 with odd blocks, and 200 in blocks of 32. */
+static void test_ragged_blocks(void) {
+    const case_opts opts = {1, 0};
+    const int64_t blocks[] = {1, 3, 5, 7, 17, 31, 33, 48};
+    for (int64_t cols = 1; cols <= 97; cols++) {
+        const int dt = float_dtypes[cols % 3];
+        const int64_t rows = 3 + cols % 4;
+        void *w = make_weight(dt, rows, cols);
+        for (size_t b = 0; b < sizeof blocks / sizeof *blocks; b++) {
+            if (blocks[b] >= cols && b > 0 && blocks[b - 1] >= cols) break; /* one per row */
+            for (int sd = 0; sd < 2; sd++)
+                for (int bits = 4; bits <= 8; bits += 4)
+                    for (int symmetric = 0; symmetric <= 1; symmetric++)
+                        check_format(w, dt, rows, cols, bits, symmetric, blocks[b],
+                                     scale_dtypes[sd], opts);
+        }
+        free(w);
+    }
+    for (int a = 0; a < 3; a++) {
+        void *w = make_weight(float_dtypes[a], ROW_KINDS * 2 + 1, 200);
+        for (int sd = 0; sd < 2; sd++)
+            for (int bits = 4; bits <= 8; bits += 4)
+                for (int symmetric = 0; symmetric <= 1; symmetric++)
+                    check_format(w, float_dtypes[a], ROW_KINDS * 2 + 1, 200, bits, symmetric, 32,
+                                 scale_dtypes[sd], opts);
+        free(w);
+    }
 }
 
 /* Large enough for several threads (2^16 elements each), with odd widths. */
@@ -1099,9 +1136,18 @@ static void test_bad_arguments(int sd) {
              AXL_ERR_BAD_FORMAT);
     CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, -1, 32, q, scales, sd, zp, NULL, NULL, NULL, 1, 0),
              AXL_ERR_BAD_FORMAT);
-    /* block sizes: cols or a multiple of 32 dividing cols */
-    const int64_t bad_blocks[][2] = {{64, 16}, {64, 48}, {64, 0}, {64, -32}, {64, 128}, {96, 64},
-                                     {100, 50}, {100, 32}, {7, 1}, {7, 14}, {64, -1}};
+    /* block sizes: any >= 1 (ragged, or above cols: one block per row); only 0 with cols 0 */
+    const int64_t good_blocks[][2] = {{64, 16}, {64, 48}, {64, 128}, {96, 64}, {100, 50},
+                                      {100, 32}, {7, 1}, {7, 14}, {7, 3}};
+    for (size_t i = 0; i < sizeof good_blocks / sizeof *good_blocks; i++) {
+        int64_t c = good_blocks[i][0], b = good_blocks[i][1];
+        CHECK_MSG(axl_quantize(w, AXL_F32, 2, c, 8, 1, b, q, scales, sd, NULL, NULL, NULL, NULL, 1,
+                               0) == AXL_OK,
+                  "cols %lld block %lld", (long long)c, (long long)b);
+        CHECK_MSG(axl_dequantize(q, scales, sd, NULL, 2, c, 8, b, out, AXL_F32, 1, 0) == AXL_OK,
+                  "cols %lld block %lld", (long long)c, (long long)b);
+    }
+    const int64_t bad_blocks[][2] = {{64, 0}, {64, -32}, {64, -1}, {7, 0}, {1, INT64_MIN}};
     for (size_t i = 0; i < sizeof bad_blocks / sizeof *bad_blocks; i++) {
         int64_t c = bad_blocks[i][0], b = bad_blocks[i][1];
         CHECK_MSG(axl_quantize(w, AXL_F32, 2, c, 8, 1, b, q, scales, sd, NULL, NULL, NULL, NULL, 1,
@@ -1263,6 +1309,7 @@ void test_quant(void) {
     test_goldens();
     test_clamps_bind();
     test_isas_match_reference();
+    test_ragged_blocks();
     test_threads();
     test_large_outputs();
     test_fp_environment();
