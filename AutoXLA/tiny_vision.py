@@ -261,17 +261,17 @@ def save_tiny_segmentation(family: str, directory: str | os.PathLike, *, seed: i
     return directory
 
 
-def tiny_inputs(family: str, batch: int = 2, seed: int = 0) -> dict:
+def tiny_inputs(family: str, batch: int = 2, seed: int = 0, size: int | None = None) -> dict:
     """Random model inputs for ``family``, deterministic in ``seed``.
 
     ``pixel_values``: (batch, 3, S, S) float32, N(0, 1) (what a normalising image processor
-    gives), S = ``image_size(family)``. SAM families also get ``input_points`` (batch, 2, 3, 2):
+    gives), S = ``size`` or ``image_size(family)`` (the tiny model's). SAM families also get ``input_points`` (batch, 2, 3, 2):
     2 prompts of 3 (x, y) points each, in pixels of the S x S input, and ``input_labels``
     (batch, 2, 3) int64 in {0, 1} (background / foreground).
     """
     if family not in _MODEL:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
-    size = image_size(family)
+    size = size or image_size(family)
     g = torch.Generator().manual_seed(seed)
     inputs = {"pixel_values": torch.randn(batch, 3, size, size, generator=g)}
     if family in _POINT_PROMPTS:

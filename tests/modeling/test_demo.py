@@ -5,16 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    from AutoXLA.real_model import smollm2_checkpoint
-
-    return smollm2_checkpoint()    # converted once per machine, in ~/.cache/autoxla/models
 
 
 def test_demo_passes(smollm2, xla_devices, capsys):
