@@ -14,10 +14,9 @@ READABLE_VERSIONS = (FORMAT_VERSION, EMBEDDINGS_FORMAT_VERSION)
 QUANT_METHOD = "autoxla"
 BITS = (8, 4)
 BACKENDS = ("auto", "pallas", "xla_op", "fallback")
-MIN_BLOCK, MAX_BLOCK, BLOCK_MULTIPLE = 32, 1024, 32
-# per_channel=False without a block_size: llama.cpp's Q4_0/Q8_0 block, the smallest block we
-# allow, which divides every width that is a multiple of 32 (nearly every model's hidden and
-# intermediate sizes); the finest grain also gives the best accuracy of the blockwise formats.
+# per_channel=False without a block_size: llama.cpp's Q4_0/Q8_0 block, which divides every width
+# that is a multiple of 32 (nearly every model's hidden and intermediate sizes); a width it does
+# not divide gets a shorter last block (ragged), like any other block size.
 DEFAULT_BLOCK = 32
 
 # Keywords of the original AutoXLA that change nothing here: each warns once per process.
@@ -56,7 +55,12 @@ class LayerFormat:
 
     @property
     def groups(self) -> int:
-        return self.in_features // self.block_size
+        """Blocks per row: the last one is shorter when block_size does not divide in_features."""
+        return -(-self.in_features // self.block_size)
+
+    @property
+    def ragged(self) -> bool:
+        return self.in_features % self.block_size != 0
 
     @property
     def q_shape(self) -> tuple[int, int]:
@@ -71,6 +75,8 @@ class LayerFormat:
     @property
     def label(self) -> str:
         blocks = "per-channel" if self.per_channel else f"block {self.block_size}"
+        if self.ragged:
+            blocks += f" (last {self.in_features % self.block_size})"
         return f"int{self.bits} {blocks} {'sym' if self.symmetric else 'asym'}"
 
 
@@ -80,7 +86,9 @@ class QuantizationConfig:
 
     n_bits: 8 or 4 (``bits`` is an alias: the seed uses both spellings).
     block_size: -1 = one scale per output channel; else elements per scale along the input
-        dimension, a multiple of 32 from 32 to 1024 that divides each quantized layer's input.
+        dimension, any positive integer: where it does not divide a layer's input dimension the
+        last block of each row is shorter (ragged), and where it is at least that dimension the
+        layer has one block per row (per-channel).
     symmetric: True = scale only; False = scale and an int8 zero point per group.
     quantize_activation: dynamic per-row int8 activations (W8A8) where the backend has them.
     use_pallas: None = the Pallas TPU kernel when running on a TPU; True = asked for it (a warning
@@ -127,11 +135,9 @@ class QuantizationConfig:
             raise ValueError(f"n_bits={n_bits!r} is not supported; use 8 (int8) or 4 (int4)")
         self.n_bits = self.bits = int(n_bits)
         bs = self.block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or not (
-                bs == -1 or (MIN_BLOCK <= bs <= MAX_BLOCK and bs % BLOCK_MULTIPLE == 0)):
+        if isinstance(bs, bool) or not isinstance(bs, int) or not (bs == -1 or bs >= 1):
             raise ValueError(f"block_size={bs!r} is not supported; use -1 (per-channel) or a "
-                             f"multiple of {BLOCK_MULTIPLE} from {MIN_BLOCK} to {MAX_BLOCK}, "
-                             "e.g. 64 or 128")
+                             "positive number of inputs per scale, e.g. 32 or 128")
         self._resolve_per_channel()
         for name in ("symmetric", "quantize_activation", "quantize_lm_head", "quantize_embeddings",
                      "use_xla_kernel", "pack_4bit", "auto_tune_block_sizes"):
@@ -174,15 +180,9 @@ class QuantizationConfig:
 
     # -- per layer ------------------------------------------------------------------------
     def layer_format(self, name: str, in_features: int, out_features: int) -> LayerFormat:
-        """The format of layer ``name``; a block size that does not divide it is an error."""
-        block = in_features if self.block_size == -1 else self.block_size
-        if in_features % block:
-            origin = (f" (per_channel=False's default block, {DEFAULT_BLOCK})"
-                      if getattr(self, "_default_block", False) else "")
-            raise ValueError(
-                f"block_size={self.block_size}{origin} does not divide the input dimension "
-                f"({in_features}) of layer {name!r}; choose a block size that divides it, use "
-                f"block_size=-1 (per-channel), or add {name!r} to exclude_layers")
+        """The format of layer ``name``: a block size at least its input dimension is one block
+        per row (per-channel); one that does not divide it leaves a shorter last block."""
+        block = in_features if self.block_size == -1 else min(self.block_size, in_features)
         return LayerFormat(self.n_bits, self.symmetric, block, in_features, out_features)
 
     def embedding_format(self, num_embeddings: int, embedding_dim: int) -> LayerFormat:

@@ -113,8 +113,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
     """
     w = integer_weight(q, fmt).to(torch.float32)
     rows = fmt.out_features
+    if fmt.ragged:   # the last block is shorter: widen each block's scale over its columns
+        if zero_point is not None:
+            w = w - per_column(zero_point.to(torch.float32), fmt)
+        return (w * per_column(scale.to(torch.float32), fmt)).to(dtype)
     w = w.reshape(rows, fmt.groups, fmt.block_size)
     if zero_point is not None:
         w = w - zero_point.to(torch.float32).unsqueeze(-1)
     w = w * scale.to(torch.float32).unsqueeze(-1)
     return w.reshape(rows, fmt.in_features).to(dtype)
+
+
+def per_column(t: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
+    """(rows, groups) -> (rows, in_features): each block's value repeated over its columns,
+    the last block's over fewer (a static shape, which XLA lowers to a broadcast and a slice)."""
+    return t.repeat_interleave(fmt.block_size, dim=1)[:, :fmt.in_features]

@@ -21,10 +21,9 @@ def test_seed_spellings():
     (dict(bits=16), r"n_bits=16"),
     (dict(n_bits=True), r"n_bits=True"),
     (dict(bits=8, n_bits=4), r"bits=8 and n_bits=4 disagree"),
-    (dict(block_size=33), r"block_size=33 .* multiple of 32 from 32 to 1024"),
-    (dict(block_size=16), r"block_size=16"),
-    (dict(block_size=2048), r"block_size=2048"),
-    (dict(block_size=0), r"block_size=0"),
+    (dict(block_size=0), r"block_size=0 is not supported; use -1 \(per-channel\) or a positive"),
+    (dict(block_size=-2), r"block_size=-2"),
+    (dict(block_size=True), r"block_size=True"),
     (dict(block_size="64"), r"block_size='64'"),
     (dict(symmetric="yes"), r"symmetric must be True or False"),
     (dict(quantize_activation=1), r"quantize_activation must be True or False"),
@@ -38,12 +37,17 @@ def test_invalid_values_name_value_and_fix(kwargs, match):
         QuantizationConfig(**kwargs)
 
 
-def test_block_size_must_divide_each_layer_named():
+def test_any_block_size_fits_any_layer():
     cfg = QuantizationConfig(n_bits=4, block_size=64)
-    assert cfg.layer_format("a", 128, 8).groups == 2
-    with pytest.raises(ValueError, match=r"does not divide the input dimension \(96\) of layer "
-                                         r"'model.layers.0.mlp.down_proj'"):
-        cfg.layer_format("model.layers.0.mlp.down_proj", 96, 8)
+    even = cfg.layer_format("a", 128, 8)
+    assert (even.groups, even.ragged, even.label) == (2, False, "int4 block 64 sym")
+    ragged = cfg.layer_format("model.layers.0.mlp.down_proj", 96, 8)   # 64 + a last block of 32
+    assert (ragged.groups, ragged.ragged, ragged.scale_shape) == (2, True, (8, 2))
+    assert ragged.label == "int4 block 64 (last 32) sym"
+    narrow = cfg.layer_format("b", 48, 8)      # a block wider than the layer: one per row
+    assert narrow.per_channel and narrow.groups == 1 and narrow.block_size == 48
+    odd = QuantizationConfig(n_bits=8, block_size=48).layer_format("c", 200, 3)
+    assert (odd.groups, odd.label) == (5, "int8 block 48 (last 8) sym")
 
 
 def test_layer_format_shapes():

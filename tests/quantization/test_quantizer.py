@@ -98,10 +98,29 @@ def test_lm_head_quantized_when_asked_but_never_when_tied():
     assert "tied" in tied.autoxla_quantization.skipped["lm_head"]
 
 
-def test_block_size_error_names_the_layer():
-    with pytest.raises(ValueError, match=r"block_size=256 does not divide the input dimension "
-                                         r"\(64\) of layer 'layers.0.q_proj'"):
-        ModelQuantizer(QuantizationConfig(n_bits=4, block_size=256)).quantize_model(Toy())
+def test_ragged_blocks_stay_within_half_a_step():
+    # Widths 64 and 128 in blocks of 24: the last block has 16 or 8, with its own scale. The C
+    # engine's bound (autoxla.h): every element within scale/2 of its dequantized value, plus
+    # fp32 rounding (< 2^-13 of the scale), so 0.5001 * scale is the reference here.
+    model = Toy()
+    weights = {n: m.weight.detach().clone() for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and n != "lm_head"}
+    _quiet(ModelQuantizer(QuantizationConfig(n_bits=4, block_size=24)).quantize_model, model)
+    for name, w in weights.items():
+        layer = model.get_submodule(name)
+        cols = w.shape[1]
+        assert layer.quant_format.label == f"int4 block 24 (last {cols % 24}) sym", name
+        assert tuple(layer.weight_scale.shape) == (w.shape[0], -(-cols // 24))
+        scale = layer.weight_scale.float().repeat_interleave(24, dim=1)[:, :cols]
+        err = (layer.dequantized_weight(torch.float32) - w).abs()
+        assert (err <= 0.5001 * scale).all(), name
+
+
+def test_a_block_wider_than_the_layer_is_one_per_row():
+    model = Toy()
+    _quiet(ModelQuantizer(QuantizationConfig(n_bits=4, block_size=256)).quantize_model, model)
+    fmt = model.layers[0].q_proj.quant_format
+    assert fmt.per_channel and fmt.groups == 1
 
 
 def test_use_pallas_off_tpu_warns_once_and_falls_back():
