@@ -193,6 +193,17 @@ def set_global_mesh(mesh) -> None:
     xs.set_global_mesh(mesh)
 
 
+def replicated(t: torch.Tensor) -> torch.Tensor:
+    """``t`` marked replicated over the global mesh (if one is set), so reading it to the host
+    after a sync is a plain copy: a sharded result needs a gathering program, compiled anew
+    for every read."""
+    _, _, xs = _xla()
+    mesh = xs.get_global_mesh()
+    if mesh is not None:
+        xs.mark_sharding(t, mesh, (None,) * t.dim())
+    return t
+
+
 def _coords(mesh) -> dict[int, dict[str, int]]:
     """device id -> {axis name: index} in ``mesh``."""
     logical = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
