@@ -124,6 +124,7 @@ class QuantizationConfig:
     use_xla_kernel: bool = True
     pack_4bit: bool = True
     auto_tune_block_sizes: bool = True
+    float_activation_layers: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.bits is not None and self.n_bits is not None and self.bits != self.n_bits:
@@ -156,12 +157,13 @@ class QuantizationConfig:
             _warn_once("pack_4bit", _NO_EFFECT["pack_4bit"])
         if not self.auto_tune_block_sizes:
             _warn_once("auto_tune_block_sizes", _NO_EFFECT["auto_tune_block_sizes"])
-        if isinstance(self.exclude_layers, str):
-            self.exclude_layers = [self.exclude_layers]
-        self.exclude_layers = list(self.exclude_layers or [])
-        for p in self.exclude_layers:
-            if not isinstance(p, str) or not p:
-                raise ValueError(f"exclude_layers entries must be non-empty strings, got {p!r}")
+        for key in ("exclude_layers", "float_activation_layers"):
+            value = getattr(self, key)
+            value = [value] if isinstance(value, str) else list(value or [])
+            for p in value:
+                if not isinstance(p, str) or not p:
+                    raise ValueError(f"{key} entries must be non-empty strings, got {p!r}")
+            setattr(self, key, value)
 
     def _resolve_per_channel(self) -> None:
         """per_channel (the original's keyword) and block_size into one block_size; afterwards
@@ -192,21 +194,23 @@ class QuantizationConfig:
 
     def excludes(self, name: str) -> str | None:
         """The exclude_layers pattern that matches module ``name``, or None."""
-        for p in self.exclude_layers:
-            if name == p or fnmatch.fnmatchcase(name, p) or f".{p}." in f".{name}.":
-                return p
-        return None
+        return _match(self.exclude_layers, name)
+
+    def float_activations(self, name: str) -> bool:
+        """Whether layer ``name`` keeps float activations (float_activation_layers)."""
+        return _match(self.float_activation_layers, name) is not None
 
     # -- serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The saved form. per_channel is folded into block_size and pack_4bit /
-        auto_tune_block_sizes change nothing, so none is saved; quantize_embeddings and
-        use_xla_kernel are saved only when not at their defaults, so a config that does not use
+        auto_tune_block_sizes change nothing, so none is saved; quantize_embeddings,
+        use_xla_kernel and float_activation_layers are saved only when not at their defaults, so a config that does not use
         them is the version-1 dict, byte for byte."""
         d = asdict(self)
         for key in ("bits", "per_channel", "pack_4bit", "auto_tune_block_sizes"):
             d.pop(key)
-        for key, default in (("quantize_embeddings", False), ("use_xla_kernel", True)):
+        for key, default in (("quantize_embeddings", False), ("use_xla_kernel", True),
+                             ("float_activation_layers", [])):
             if d[key] == default:
                 d.pop(key)
         d["quant_method"] = QUANT_METHOD
@@ -239,3 +243,11 @@ class QuantizationConfig:
         keys = ("n_bits", "block_size", "symmetric", "exclude_layers", "quantize_lm_head",
                 "quantize_embeddings")
         return all(getattr(self, k) == getattr(other, k) for k in keys)
+
+
+def _match(patterns: list[str], name: str) -> str | None:
+    """The first pattern matching module ``name``: the whole name, a glob, or a run of dotted parts."""
+    for p in patterns:
+        if name == p or fnmatch.fnmatchcase(name, p) or f".{p}." in f".{name}.":
+            return p
+    return None

@@ -48,6 +48,20 @@ class QuantizationReport:
     bytes_before: int = 0
     bytes_after: int = 0
     warnings: list[str] = field(default_factory=list)
+    calibration: "CalibrationReport | None" = None   # set when quantized after calibration
+
+    def attach_calibration(self, calibration: "CalibrationReport") -> None:
+        """Record what calibration measured and chose; the layers its target kept in full
+        precision say so instead of naming the exclude_layers pattern it added."""
+        self.calibration = calibration
+        for name in self.skipped:
+            why = calibration.reason(name)
+            if why is not None:
+                self.skipped[name] = why
+
+    def notes(self) -> list[str]:
+        """The lines the plan prints under its table: warnings, then calibration's summary."""
+        return list(self.warnings) + (self.calibration.lines() if self.calibration else [])
 
     def record_stats(self, name: str, q: "_native.Quantized") -> None:
         d = self.layers[name]
@@ -76,6 +90,8 @@ class QuantizationReport:
             lines.append(f"  weight SQNR: worst row {w.min_sqnr_db:.1f} dB in {w.name}")
         for name, why in self.skipped.items():
             lines.append(f"  kept {name}: {why}")
+        if self.calibration is not None:
+            lines.extend(f"  {m}" for m in self.calibration.lines())
         lines.extend(f"  note: {m}" for m in self.warnings)
         return "\n".join(lines)
 
@@ -167,7 +183,8 @@ class ModelQuantizer:
             backend, passed_over = choose(fmt, cfg, on_tpu, name)
             if cfg.use_pallas and backend != "pallas":
                 pallas_refused.append(passed_over[0] if passed_over else backend)
-            act = cfg.quantize_activation and backend in ACTIVATION_QUANT
+            act = (cfg.quantize_activation and backend in ACTIVATION_QUANT
+                   and not cfg.float_activations(name))
             report.layers[name] = LayerDecision(name, fmt, backend, passed_over, act)
         if cfg.quantize_embeddings:
             self._plan_embeddings(model, tied_names, report, matched)
@@ -183,7 +200,8 @@ class ModelQuantizer:
             report.warnings.append(msg)
             warnings.warn(msg, stacklevel=3)
         no_act = [d.name for d in report.layers.values()      # a table's lookup has no input
-                  if cfg.quantize_activation and not d.activation_quant and d.backend != GATHER]
+                  if cfg.quantize_activation and not d.activation_quant and d.backend != GATHER
+                  and not cfg.float_activations(d.name)]
         if no_act:
             msg = (f"quantize_activation=True, but the {report.layers[no_act[0]].backend} backend "
                    f"does not quantize activations: {len(no_act)} layer(s) keep float activations")
@@ -232,18 +250,26 @@ class ModelQuantizer:
             warnings.warn(msg, stacklevel=4)
 
     def quantize_model(self, model: nn.Module, tied: dict[str, str] | None = None,
-                       on_tpu: bool | None = None) -> nn.Module:
+                       on_tpu: bool | None = None, calibration=None, tokenizer=None) -> nn.Module:
         """Replace the chosen nn.Linear layers (and embedding tables) in place; returns ``model``.
 
+        ``calibration`` (a CalibrationConfig, True, text, token ids or a Calibration; text needs
+        ``tokenizer``) first calibrates the float model: SmoothQuant for W8A8, the per-layer
+        sensitivity report and, with a target, auto-exclusion (docs/quantization.md).
         The report is ``model.autoxla_quantization`` (and is logged).
         """
-        stacked = [n for n, m in model.named_modules() if hasattr(m, "per_layer_items")]
-        if stacked:
-            raise ValueError(
-                f"{type(model).__name__}'s decoder stack ({stacked[0]}) is scanned: its layers' "
-                "weights are stacked tensors that quantizing one layer at a time cannot replace. "
-                "Quantize while loading (from_pretrained(..., do_quant=True, quantization_config="
-                "...)), or load with scan_layers=False and quantize afterwards")
+        from .calibration import CalibrationConfig
+
+        cal = CalibrationConfig.from_any(calibration)
+        if cal is not None:
+            from . import sensitivity
+
+            _refuse_stacked(model)
+            config, _, result = sensitivity.run(model, cal, self.config, tokenizer, tied, on_tpu)
+            ModelQuantizer(config).quantize_model(model, tied, on_tpu)
+            model.autoxla_quantization.attach_calibration(result)
+            return model
+        _refuse_stacked(model)
         report = self.plan(model, tied, on_tpu)
         report.bytes_before = _weight_bytes(model)
         with repointing_references(model):
@@ -276,6 +302,16 @@ class ModelQuantizer:
 
 
 LanguageModelQuantizer = ModelQuantizer
+
+
+def _refuse_stacked(model: nn.Module) -> None:
+    stacked = [n for n, m in model.named_modules() if hasattr(m, "per_layer_items")]
+    if stacked:
+        raise ValueError(
+            f"{type(model).__name__}'s decoder stack ({stacked[0]}) is scanned: its layers' "
+            "weights are stacked tensors that quantizing one layer at a time cannot replace. "
+            "Quantize while loading (from_pretrained(..., do_quant=True, quantization_config="
+            "...)), or load with scan_layers=False and quantize afterwards")
 
 
 def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:

@@ -209,7 +209,7 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
     return Plan(model_class=type(model).__name__, strategy=strategy, mesh=mesh,
                 dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
                 tensors=list(entries.values()),
-                notes=list(report.warnings) if report is not None else [],
+                notes=report.notes() if report is not None else [],
                 quantization=report.config.to_dict() if report is not None else None,
                 attention=attention,
                 stack=plan_stack(model, scan_layers) if attention is not None else None)
