@@ -32,6 +32,7 @@ class LoadOptions:
     xla_patch_linear: bool = False      # torch_xla's einsum nn.Linear, applied before sharding
     do_quant: bool | None = None
     quantization_config: Any = None     # QuantizationConfig (or its dict) once validated
+    calibration: Any = None             # CalibrationConfig once validated (True, text, ids, ...)
     generation_options: Any = None      # GenerationOptions (or its dict) once validated
     compile_cache: Any = None           # directory of torch_xla's persistent compilation cache
     scan_layers: bool = True            # run the decoder stack as one loop where it repeats
@@ -126,6 +127,13 @@ class LoadOptions:
             cfg = QuantizationConfig()   # int8 per-channel symmetric
         self.quantization_config = cfg
         self.do_quant = cfg is not None
+        from ..quantization import CalibrationConfig
+
+        self.calibration = CalibrationConfig.from_any(self.calibration)
+        if self.calibration is not None and not self.do_quant:
+            raise ValueError("calibration=... calibrates quantization, but nothing is quantized: "
+                             "pass do_quant=True (with quantization_config=QuantizationConfig("
+                             "quantize_activation=True) for W8A8 with SmoothQuant)")
 
 
 def fold_original_attention_keywords(cfg, layer_indices, partition_spec):

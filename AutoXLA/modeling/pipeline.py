@@ -48,7 +48,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             f"from_pretrained() got unexpected keyword argument(s) {sorted(unused)}: they are "
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
-            "attn_implementation, attention_config, do_quant, quantization_config, "
+            "attn_implementation, attention_config, do_quant, quantization_config, calibration, "
             "xla_patch_linear, generation_options, compile_cache, scan_layers) nor fields of the model's "
             "config; check the spelling")
     config._attn_implementation = opts.attn_implementation
@@ -146,13 +146,17 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
 
 
 def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
-         verbose: bool | None = False) -> None:
-    """Step 3: stream every tensor from the checkpoint into its sharded place on the devices."""
+         verbose: bool | None = False, smoothing=None) -> None:
+    """Step 3: stream every tensor from the checkpoint into its sharded place on the devices.
+
+    ``smoothing`` (calibration's SmoothQuant factors) is applied on the host to the tensors it
+    changes, which are read whole for that, before they are quantized or sharded."""
     state = (ckpt.load_pickle_state(checkpoint.pickle_files, checkpoint.pickle_map)
              if checkpoint.is_pickle else None)
     sources, quantize = _sources(model, plan, checkpoint, state)
     report = getattr(model, "autoxla_quantization", None)
     progress = _progress(plan, verbose)
+    smoothed = smoothing.tensor_names() if smoothing is not None else set()
     in_flight = 0
     for t in plan:
         if t.tied_to or t.derived_from in quantize:   # shared, or made with its weight below
@@ -160,11 +164,18 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
         key = sources.get(t.name)
         owner, leaf = _owner(model, t.name)
         if t.name in quantize:
-            in_flight += _load_quantized(owner, t, plan, mesh, key, state, checkpoint, report)
+            in_flight += _load_quantized(owner, t, plan, mesh, key, state, checkpoint, report,
+                                         smoothing if t.name in smoothed else None)
         else:
             dtype = getattr(torch, t.dtype)
             if key is None:   # computed buffer (or a persistent one the checkpoint lacks)
                 value = streaming.tensor_to_device(owner._buffers[leaf], t.spec, mesh, dtype)
+            elif t.name in smoothed:
+                value = _read_host(key, state, checkpoint)
+                _check_shape(t, tuple(value.shape), key)
+                # In the load dtype, as calibration smoothed the float model on the devices.
+                value = streaming.tensor_to_device(smoothing.transform(t.name, value.to(dtype)),
+                                                   t.spec, mesh, dtype)
             elif state is not None:
                 _check_shape(t, tuple(state[key].shape), key)
                 value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype)
@@ -254,16 +265,20 @@ def _source_dtype(key: str, state, checkpoint) -> torch.dtype:
     return state[key].dtype if state is not None else checkpoint.records[key].dtype
 
 
-def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, checkpoint, report) -> int:
+def _read_host(key: str, state, checkpoint) -> torch.Tensor:
+    return state.pop(key) if state is not None else streaming.read_whole(checkpoint.records[key])
+
+
+def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, checkpoint, report,
+                    smoothing=None) -> int:
     """Quantize one float checkpoint weight on the host (C engine), then shard its quantized
     tensors by their planned specs. Returns the bytes sent to the devices."""
     from ..quantization.quantizer import quantize_tensor
 
-    if state is not None:
-        w = state.pop(key)
-    else:
-        w = streaming.read_whole(checkpoint.records[key])
+    w = _read_host(key, state, checkpoint)
     _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+    if smoothing is not None:      # in float32: quantize the product, not a bf16 rounding of it
+        w = smoothing.transform(t.name, w.float())
     q = quantize_tensor(w, owner.quant_format, f"{t.name} (checkpoint tensor {key!r})")
     del w
     prefix = t.name.rpartition(".")[0]
@@ -374,19 +389,76 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
     resolved = resolve(path, auto_class, opts)                                       # 1. resolve
     checkpoint = ckpt.locate(path, use_safetensors=opts.use_safetensors, **opts.hub_kwargs)
-    quantize_on_meta(resolved, opts.quantization_config, backend.on_tpu())  # 2a. quantized linears
+    qconfig, smoothing, calibration = opts.quantization_config, None, None
+    if opts.calibration is not None:                       # 1b. float model, calibrated, dropped
+        qconfig, smoothing, calibration = calibrate_float(path, auto_class, opts, resolved, checkpoint)
+    quantize_on_meta(resolved, qconfig, backend.on_tpu())                   # 2a. quantized linears
+    if calibration is not None:
+        resolved.model.autoxla_quantization.attach_calibration(calibration)
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
     plan, mesh = make_plan(resolved, opts)                                           # 2. plan
     if opts.verbose:
         print(plan)
-    load(resolved.model, plan, mesh, checkpoint, opts.verbose)   # 3. load (+ quantize in C)
+    load(resolved.model, plan, mesh, checkpoint, opts.verbose, smoothing)  # 3. load (+ quantize)
     return _finish(resolved.model, plan, mesh, opts)                        # 4. patch, 5. wrap
+
+
+def calibrate_float(path, auto_class, opts: LoadOptions, resolved: Resolved, checkpoint):
+    """Step 1b (calibration=...): load the float model sharded (eager attention, no scan, no
+    quantization), calibrate it, smooth it and measure each layer (quantization/sensitivity.py),
+    then free it. Returns (the QuantizationConfig to quantize with, the smoothing the loader
+    applies to the checkpoint's tensors, the CalibrationReport). Costs a second read of the
+    checkpoint instead of a second copy of the model on the devices."""
+    import dataclasses
+    import gc
+
+    from ..quantization import sensitivity
+
+    if getattr(resolved.config, "quantization_config", None) is not None:
+        raise ValueError(f"calibration=... needs a float checkpoint, but {path} is already "
+                         "quantized (its config.json has quantization_config): calibrate when "
+                         "quantizing its float checkpoint, or load this one without calibration")
+    if not (hasattr(resolved.model, "can_generate") and resolved.model.can_generate()):
+        raise ValueError(f"calibration=... scores next tokens, but {type(resolved.model).__name__} "
+                         "is not a language model; quantize it without calibration")
+    tokenizer = _tokenizer(path, opts) if opts.calibration.needs_tokenizer else None
+    float_opts = dataclasses.replace(opts, quantization_config=None, do_quant=False,
+                                     calibration=None, attn_implementation="eager",
+                                     attention_config=None, xla_patch_linear=False)
+    floating = resolve(path, auto_class, float_opts)
+    plan, mesh = make_plan(floating, float_opts)
+    load(floating.model, plan, mesh, checkpoint, False)
+    backend.set_global_mesh(mesh)     # results read back are replicated over it
+    try:
+        return sensitivity.run(floating.model, opts.calibration, opts.quantization_config,
+                               tokenizer, floating.tied, backend.on_tpu())
+    finally:
+        del floating
+        gc.collect()
+
+
+def _tokenizer(path, opts: LoadOptions):
+    """The checkpoint's tokenizer, for calibration text."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=opts.trust_remote_code,
+                                             **opts.hub_kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"calibration text needs the checkpoint's tokenizer, but none loads from "
+                         f"{path} ({type(e).__name__}: {e}). Save the tokenizer with the "
+                         "checkpoint, or calibrate on token ids: calibration=torch.tensor([...])"
+                         ) from e
 
 
 def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
     """from_model, top to bottom: the same steps on a model that already holds its weights."""
     compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
     resolved = adopt(model, opts)                                                    # 1. adopt
+    if opts.calibration is not None:
+        raise ValueError("from_model does not calibrate: quantize the model first with "
+                         "ModelQuantizer(config).quantize_model(model, calibration=...), or use "
+                         "from_pretrained(..., calibration=...)")
     if opts.quantization_config is not None:                                # 2a. quantize in C
         from ..quantization import ModelQuantizer
 
