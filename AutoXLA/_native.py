@@ -51,7 +51,7 @@ ABI_VERSION = 6
 _CONVERT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Dtypes quantization scales can be stored in (axl_quantize's scale_dtype).
-_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Quantized data (axl_dtype values): the shard functions copy these, same dtype in and out.
 _INT_DTYPES = {torch.int8: 3, torch.uint8: 4}
@@ -100,7 +100,8 @@ class NativeError(RuntimeError):
 
     `row` is the offending row of the weight when quantize() refused one (code 7), else
     None; `reason` then says why: "non_finite" (the row holds NaN or Inf), "range_overflow"
-    (finite values, but an asymmetric block's max - min overflows float32) or
+    (finite values, but an asymmetric block's max - min overflows float32),
+    "scale_overflow" (float16 scales: a block's scale is above 65504, float16's largest) or
     "grid_overflow" (a block within about 2^-8 of FLT_MAX, where scale x levels overflows),
     else None. The message says the same, with the values and the fix.
     """
@@ -778,7 +779,7 @@ class Quantized(NamedTuple):
     q: int8 (rows, cols) for 8 bits; uint8 (rows, ceil(cols / 2)) for 4 bits, two 4-bit
     two's complement values per byte, element 2j of a row in the low nibble (bits 0-3) of
     byte j and element 2j+1 in the high nibble (with odd cols the last high nibble is 0).
-    scale: (rows, G) of the scale_dtype given to quantize(), float32 or bfloat16.
+    scale: (rows, G) of the scale_dtype given to quantize(), float32, bfloat16 or float16.
     zero_point: int8 (rows, G), None when symmetric.
     max_err: float32 (rows,), the largest |w - dequantized| per row; sqnr_db: float32
     (rows,), 10 log10(sum w^2 / sum (w - dequantized)^2) per row (+inf for an exact row);
@@ -889,7 +890,10 @@ _SKIP_FIX = (
 )
 
 
-def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str | None]:
+def _non_finite_message(
+    w: torch.Tensor, row: int, block: int, bits: int = 8, symmetric: bool = True,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[str, str | None]:
     """What axl_quantize's AXL_ERR_NON_FINITE for `row` means, and the reason (NativeError).
 
     The C core returns it for a row holding NaN or Inf, (asymmetric only) for a finite row
@@ -918,6 +922,22 @@ def _non_finite_message(w: torch.Tensor, row: int, block: int) -> tuple[str, str
     lo = blocks.min(dim=1).values.clamp(max=0)
     hi = blocks.max(dim=1).values.clamp(min=0)
     over = ~torch.isfinite(hi - lo)  # float32 arithmetic, as in the C core
+    if not symmetric and bool(over.any()):
+        pass  # the range overflow, below
+    elif scale_dtype == torch.float16:
+        # float32 scales as the C core computes them; above 65504 none rounds up to float16.
+        qmax = 127 if bits == 8 else 7
+        s = hi.clamp(min=-lo) / qmax if symmetric else (hi - lo) / (2 * qmax + 1)
+        big = s > torch.finfo(torch.float16).max
+        if bool(big.any()):
+            g = int(big.nonzero()[0])
+            return (
+                f"row {row} of the weight is finite, but its block {g} (columns {g * block} to "
+                f"{min((g + 1) * block, cols) - 1}) needs a scale of {float(s[g]):.6g}, above "
+                f"float16's largest value {torch.finfo(torch.float16).max:.0f}: store the scales "
+                f"as torch.bfloat16 or torch.float32 (scale_dtype=...), or scale the weights "
+                f"down, {_SKIP_FIX}", "scale_overflow",
+            )
     if not bool(over.any()):
         # The grid: scale * qmax (or * (qmax - qmin)), with the scale rounded up, overflows
         # for a block within about 2^-8 of the largest float32, symmetric or not.
@@ -969,22 +989,26 @@ def quantize(
     full range [qmin, qmax] with an int8 zero point per block. block_size: elements of a
     row that share one scale: -1 (or cols, or more) for one per row, else any size >= 1; the
     last block of a row is shorter when it does not divide cols. stats: also return max_err and sqnr_db per row (computed in the same
-    pass). scale_dtype: torch.float32 or torch.bfloat16, the dtype the scales are stored in.
+    pass). scale_dtype: torch.float32, torch.bfloat16 or torch.float16, the dtype the scales
+    are stored in (bfloat16 and float16 round the float32 scale UP, see below).
     nthreads, isa: as for convert(). out: optional Quantized of tensors to fill (q, scale of
     scale_dtype; zero_point exactly when asymmetric; max_err and sqnr_db exactly when
     stats), each of the documented dtype and shape; returned.
 
     The arithmetic is fixed and identical on every ISA and thread count (autoxla.h):
     symmetric scale = max|x| / qmax, asymmetric scale = (max(x, 0) - min(x, 0)) / (qmax -
-    qmin), in float32; with scale_dtype=torch.bfloat16 that scale is rounded UP to bfloat16
-    (the smallest bfloat16 >= it; not to nearest as .to(torch.bfloat16) rounds) and the
-    rounded value is used from then on: q = clamp(round_half_even(x * (1 / scale)) +
+    qmin), in float32; with scale_dtype=torch.bfloat16 (torch.float16) that scale is rounded
+    UP to bfloat16 (float16): the smallest value of that dtype >= it, not to nearest as
+    .to(dtype) rounds, and the rounded value is used from then on (float16: a scale above
+    65504 refuses the row, NativeError reason "scale_overflow"; any tiny nonzero scale
+    becomes 2^-24): q = clamp(round_half_even(x * (1 / scale)) +
     zero_point), all in float32; a block whose scale is 0 (or whose 1 / scale overflows) is
     all zeros with scale 0. Since the stored scale is never below the float32 one, every
     element of a kept block is within half a step (plus float32 rounding) of its
     dequantized value, with either scale dtype.
-    Raises NativeError (with .row) if a row holds NaN or Inf, or (asymmetric) a block
-    whose range max - min overflows float32 arithmetic (finite values near +-3.4e38).
+    Raises NativeError (with .row and .reason) if a row holds NaN or Inf, (asymmetric) a
+    block whose range max - min overflows float32 arithmetic (finite values near +-3.4e38),
+    or (float16 scales) a block whose scale exceeds float16's range.
     """
     w = _check_cpu_tensor(
         "w", w, _CONVERT_DTYPES,
@@ -1064,7 +1088,7 @@ def quantize(
     )
     if status == _AXL_ERR_NON_FINITE:
         row = bad_row.value
-        message, reason = _non_finite_message(w, row, block)
+        message, reason = _non_finite_message(w, row, block, bits, symmetric, scale_dtype)
         raise NativeError(status, f"{what}: {message}", row=row, reason=reason, detail=message)
     _check_status(status, what)
     if stats and cols == 0:  # the C core writes nothing for an empty matrix
@@ -1089,8 +1113,8 @@ def dequantize(
     """The (rows, cols) weight of dtype back from quantize()'s q, scale and zero_point.
 
     y = float32(q - zero_point) * scale, then rounded to dtype exactly as convert() rounds.
-    q, scale, zero_point: as in Quantized (zero_point None = symmetric); scale is float32 or
-    bfloat16 (widened to float32 exactly), as quantize() returned it. bits, block_size:
+    q, scale, zero_point: as in Quantized (zero_point None = symmetric); scale is float32,
+    bfloat16 or float16 (widened to float32 exactly), as quantize() returned it. bits, block_size:
     those given to quantize(); cols: the weight's column count (q of 4 bits holds
     ceil(cols / 2) bytes per row). dtype: float32, bfloat16 or float16. out: optional
     (rows, cols) tensor of dtype to fill; returned. nthreads, isa: as for convert().

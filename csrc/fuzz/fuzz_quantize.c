@@ -121,6 +121,11 @@ static float scale_value(const uint8_t *scales, int dtype, int64_t i) {
     }
     uint16_t h;
     memcpy(&h, scales + i * 2, 2);
+    if (dtype == AXL_F16) { /* NaN as F16C widens it: sign, quiet bit set, payload kept */
+        if ((h & 0x7C00) == 0x7C00 && (h & 0x3FF))
+            return f32_of_bits((uint32_t)(h & 0x8000) << 16 | 0x7FC00000u | (uint32_t)(h & 0x3FF) << 13);
+        return widen(&h, AXL_F16, 0);
+    }
     return f32_of_bits((uint32_t)h << 16);
 }
 
@@ -143,6 +148,7 @@ static void check_quantized(const void *w, const shape *s, const quant_out *o) {
             if (!(scale >= 0) || isinf(scale)) fail("scale %g is not finite >= 0", scale);
             if (s->scale_dtype == AXL_BF16 && (bits_of_f32(scale) & 0xFFFF))
                 fail("bf16 scale with low bits");
+            if (s->scale_dtype == AXL_F16 && scale > 65504) fail("f16 scale %a", scale);
             if (s->symmetric && zp != 0) fail("symmetric zero point %d", zp);
             if (zp < qmin || zp > qmax) fail("zero point %d outside [%d, %d]", zp, qmin, qmax);
             for (int64_t c = g * s->block; c < block_end(s, g); c++) {
@@ -224,6 +230,17 @@ static float bf16_round_up(float s) {
     return f32_of_bits(b);
 }
 
+/* s rounded up to an fp16 value (s finite, >= 0), +Inf above 65504: the smallest multiple
+ * of the fp16 quantum at s (2^(e - 10) in [2^e, 2^(e+1)), 2^-24 below 2^-14) >= s. */
+static float f16_round_up(float s) {
+    if (s == 0) return 0;
+    int e;
+    frexp((double)s, &e);
+    double quantum = ldexp(1.0, (e - 1 < -14 ? -14 : e - 1) - 10);
+    double r = ceil((double)s / quantum) * quantum;
+    return r > 65504 ? INFINITY : (float)r;
+}
+
 /* The lowest row holding a NaN or Inf, or (asymmetric) a block whose range hi - lo
  * overflows fp32, or a block whose grid overflows fp32: its scale (rounded as stored)
  * times qmax (symmetric) or qmax - qmin (asymmetric), whose extreme values would
@@ -244,6 +261,7 @@ static int64_t first_bad_row(const void *w, const shape *s) {
             if (!s->symmetric && isinf(hi - lo)) return r;
             float scale = s->symmetric ? amax / qmax : (hi - lo) / range;
             if (s->scale_dtype == AXL_BF16) scale = bf16_round_up(scale);
+            if (s->scale_dtype == AXL_F16) scale = f16_round_up(scale); /* Inf: refused */
             if (isinf(scale * range)) return r;
         }
     return -1;
@@ -280,7 +298,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     shape s = {0};
     uint8_t b = take(&in);
     s.src_dtype = b % 3;
-    s.scale_dtype = (b >> 2) & 1 ? AXL_BF16 : AXL_F32;
+    s.scale_dtype = (b >> 2) & 1 ? ((b & 3) == 3 ? AXL_F16 : AXL_BF16) : AXL_F32;
     s.bits = (b >> 3) & 1 ? 4 : 8;
     s.symmetric = (b >> 4) & 1;
     int want_stats = (b >> 5) & 3, want_bad = b >> 7;
@@ -334,7 +352,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     int empty = numel == 0;
     switch (fault) {
     case F_SRC_DTYPE: src_dtype = extra & 1 ? AXL_I8 + extra % 2 : -1 - extra % 3; break;
-    case F_SCALE_DTYPE: scale_dtype = extra & 1 ? AXL_F16 : AXL_DTYPE_COUNT + extra % 4; break;
+    case F_SCALE_DTYPE: scale_dtype = extra & 1 ? AXL_I8 + extra % 2 : AXL_DTYPE_COUNT + extra % 4; break;
     case F_NEG_ROWS: rows = -1 - extra; break;
     case F_NEG_COLS: cols = -1 - extra; break;
     case F_BITS: bits = extra & 1 ? 0 : 5 + extra % 4 * 3; break; /* 0, 5, 8 avoided below */
@@ -370,7 +388,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (bits == 8 && fault == F_BITS) bits = 3;
     if (src_dtype != AXL_F32 && src_dtype != AXL_BF16 && src_dtype != AXL_F16)
         mask |= BIT(AXL_ERR_BAD_DTYPE);
-    if (scale_dtype != AXL_F32 && scale_dtype != AXL_BF16) mask |= BIT(AXL_ERR_BAD_DTYPE);
+    if (scale_dtype != AXL_F32 && scale_dtype != AXL_BF16 && scale_dtype != AXL_F16)
+        mask |= BIT(AXL_ERR_BAD_DTYPE);
     if (rows < 0 || cols < 0) mask |= BIT(AXL_ERR_BAD_SIZE);
     if ((bits != 4 && bits != 8) || (symmetric != 0 && symmetric != 1))
         mask |= BIT(AXL_ERR_BAD_FORMAT);

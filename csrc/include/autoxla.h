@@ -186,7 +186,7 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
 /* ---- quantization ----------------------------------------------------------------------
  * A weight w is a dense row-major (rows, cols) matrix of F32, BF16 or F16, read in place
  * (never copied to fp32 as a whole). Each run of block_size consecutive elements of a row
- * (a "block") shares one scale, stored as F32 or BF16 (scale_dtype), and, asymmetric, one
+ * (a "block") shares one scale, stored as F32, BF16 or F16 (scale_dtype), and, asymmetric, one
  * int8 zero point. Any block_size >= 1 is valid (and block_size == cols also when cols == 0);
  * block_size < 1 otherwise is AXL_ERR_BAD_SIZE. A row has G = ceil(cols / block_size) blocks
  * (G = 0 when cols == 0): block g holds elements [g * block_size, min((g + 1) * block_size,
@@ -200,7 +200,8 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  *               element 2j of a row in the LOW nibble (bits 0-3) of byte j, element 2j+1
  *               in the HIGH nibble (bits 4-7). Each row starts on a new byte; with odd
  *               cols the high nibble of a row's last byte is 0.
- *   scales:     (rows, G) of scale_dtype: AXL_F32 (float32) or AXL_BF16 (bfloat16).
+ *   scales:     (rows, G) of scale_dtype: AXL_F32 (float32), AXL_BF16 (bfloat16) or AXL_F16
+ *               (float16).
  *   zero_points:(rows, G) int8.
  *   max_err, sqnr_db: (rows,) float32.
  *
@@ -209,24 +210,27 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  *   symmetric (qmax = 127 or 7): amax = max |x| over the block; s = amax / qmax.
  *   asymmetric (qmin, qmax = -128, 127 or -8, 7): lo = min(min(block), 0),
  *     hi = max(max(block), 0); s = (hi - lo) / (qmax - qmin) (+Inf: AXL_ERR_NON_FINITE).
- *   scale = s (AXL_F32), or s rounded UP to bf16 (toward +Inf: the smallest bf16 value
- *     >= s; a bf16 value, 0 included, is unchanged; unlike axl_convert, which rounds to
- *     nearest even) and widened back to fp32 (AXL_BF16). From here on the block uses this
+ *   scale = s (AXL_F32), or s rounded UP to bf16 (AXL_BF16) or fp16 (AXL_F16) (toward
+ *     +Inf: the smallest value of the dtype >= s; a value of the dtype, 0 included, is
+ *     unchanged; unlike axl_convert, which rounds to nearest even) and widened back to fp32.
+ *     fp16: any s > 65504 (fp16's largest) rounds to +Inf and the row is refused,
+ *     AXL_ERR_NON_FINITE; any 0 < s < 2^-24 becomes 2^-24. From here on the block uses this
  *     rounded scale, never s: it is what is stored, tested below, inverted and multiplied
  *     by. If the grid then overflows fp32 - scale * qmax (symmetric) or scale * (qmax - qmin)
- *     (asymmetric) is +Inf, which only a block within about 2^-8 of FLT_MAX can reach - the
- *     row is refused: AXL_ERR_NON_FINITE (else its top value would dequantize to +Inf).
+ *     (asymmetric) is +Inf, which only a block within about 2^-8 of FLT_MAX can reach (or
+ *     an fp16 scale beyond 65504) - the row is refused: AXL_ERR_NON_FINITE (else its top
+ *     value would dequantize to +Inf).
  *   inv = 1.0f / scale.
  *   symmetric: q = clamp(nearbyint(x * inv), -qmax, qmax); zero point 0.
  *   asymmetric: zp = clamp(qmin - nearbyint(lo * inv), qmin, qmax);
  *     q = clamp(nearbyint(x * inv) + zp, qmin, qmax)   (round, then add the integer zp).
  *   A block whose scale is 0, or so small that inv = 1.0f / scale overflows to +Inf (that
- *   is s <= 2^-128, with either scale dtype), is stored as zeros: scale 0, zero point 0,
+ *   is s <= 2^-128, with F32 or BF16 scales; never with F16), is stored as zeros: scale 0, zero point 0,
  *   every q 0. (Its elements are all below 2^-120 in magnitude; this avoids 0 * Inf = NaN.)
  *   dequantized: y = (float)(q - zp) * scale, in fp32 (a BF16 scale widened exactly).
  * Since scale >= s (a BF16 scale is up to 2^-8 relative larger, 2^-5 for the smallest kept
- * scales, bf16 subnormals), the block's range fits its grid of qmax - qmin steps with
- * either scale dtype: every element of a kept block has |x - y| <= scale / 2 plus fp32
+ * scales, bf16 subnormals; an F16 one 2^-11, more for fp16 subnormals), the block's range fits
+ * its grid of qmax - qmin steps with every scale dtype: every element of a kept block has |x - y| <= scale / 2 plus fp32
  * rounding (below 2^-13 scale, and 2^-149 for subnormal products). Of the clamps only the
  * asymmetric upper one can bind, by 1, when both ends of the range are (near) ties that
  * round away, and then too within that bound.
@@ -235,7 +239,7 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  * torch.set_flush_denormal or rounding mode cannot change a result.
  *
  * Shared argument rules, checked in this order: dtypes, the weight's (or output's) then
- * scale_dtype (AXL_ERR_BAD_DTYPE; scale_dtype must be AXL_F32 or AXL_BF16); rows, cols < 0 or
+ * scale_dtype (AXL_ERR_BAD_DTYPE; scale_dtype must be AXL_F32, AXL_BF16 or AXL_F16); rows, cols < 0 or
  * more than PTRDIFF_MAX/4 elements (AXL_ERR_BAD_SIZE); bits not 4/8 or symmetric not 0/1
  * (AXL_ERR_BAD_FORMAT); block_size (AXL_ERR_BAD_SIZE); nthreads and isa as for axl_convert;
  * then, unless rows * cols == 0 (nothing is read or written, pointers may be NULL): NULL
@@ -262,16 +266,17 @@ AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int
  * either is given). bad_row: optional, 8-byte aligned (checked also for an empty matrix);
  * once the arguments are checked it is set to -1, or, when the call returns
  * AXL_ERR_NON_FINITE, to the lowest row holding a NaN or Inf, (asymmetric) a block whose
- * range hi - lo overflows fp32, or a block whose grid overflows fp32 (above). That row is the same for any nthreads and isa; q and the
+ * range hi - lo overflows fp32, or a block whose grid overflows fp32 or whose fp16 scale
+ * overflows (above). That row is the same for any nthreads and isa; q and the
  * other outputs are then unspecified. */
 AXL_API int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int bits,
                          int symmetric, int64_t block_size, void *q, void *scales,
                          int scale_dtype, int8_t *zero_points, float *max_err, float *sqnr_db,
                          int64_t *bad_row, int nthreads, int isa);
 
-/* The inverse: q, scales of scale_dtype (AXL_F32 or AXL_BF16), zero_points (layouts above;
+/* The inverse: q, scales of scale_dtype (AXL_F32, AXL_BF16 or AXL_F16), zero_points (layouts above;
  * zero_points NULL = symmetric, i.e. all 0) -> out (rows, cols) of dst_dtype (F32, BF16 or
- * F16): y = (float)(q - zp) * scale in fp32 (a bf16 scale widened exactly), then converted
+ * F16): y = (float)(q - zp) * scale in fp32 (a bf16 / fp16 scale widened exactly), then converted
  * exactly as axl_convert converts f32 to dst_dtype. out must not overlap the inputs; the
  * inputs may overlap each other. */
 AXL_API int axl_dequantize(const void *q, const void *scales, int scale_dtype,

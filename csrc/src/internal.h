@@ -75,7 +75,7 @@ typedef struct axl_qformat {
     int bits;       /* 8 or 4 */
     int symmetric;  /* 1: q in [-qmax, qmax], zero point 0; 0: q in [qmin, qmax] */
     int stream;     /* 1: q is large; a kernel may write it with non-temporal stores */
-    int scale_dtype; /* AXL_F32 or AXL_BF16: how scales are stored (and rounded) */
+    int scale_dtype; /* AXL_F32, AXL_BF16 or AXL_F16: how scales are stored (and rounded) */
 } axl_qformat;
 
 /* Outputs q of at least this many bytes are written past the caches (where a kernel can):
@@ -188,28 +188,39 @@ static inline int32_t axl_qmin(const axl_qformat *f) {
 static inline float axl_round_small(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
 /* The scale a block uses from s, its fp32 scale (finite, >= 0): s itself (AXL_F32), or s
- * rounded UP to bf16 (toward +Inf: the smallest bf16 value >= s; a bf16 value, 0 included,
- * stays as it is) and widened back (AXL_BF16). For s >= 0 adding 0xFFFF to the bits carries
- * into the kept 16 exactly when a dropped bit is set, normal and subnormal s alike; s is at
- * most FLT_MAX / 7, so the result is finite. Never below s, so the block's range fits the
- * grid of its rounded scale (see quant_avx512.c). */
+ * rounded UP (toward +Inf: the smallest value of the dtype >= s; a value of the dtype, 0
+ * included, stays as it is) to bf16 (AXL_BF16) or fp16 (AXL_F16), widened back to fp32.
+ * bf16: for s >= 0 adding 0xFFFF to the bits carries into the kept 16 exactly when a
+ * dropped bit is set, normal and subnormal s alike; s is at most FLT_MAX / 7, so the result
+ * is finite. fp16: the nearest-even fp16, one fp16 step up if that is below s (positive
+ * fp16 bit patterns are ordered); any s > 65504 gives +Inf, which the callers refuse (the
+ * grid check: Inf * levels is Inf), and any 0 < s < 2^-24 gives 2^-24. Never below s, so
+ * the block's range fits the grid of its rounded scale (see quant_avx512.c). */
 static inline float axl_scale_round(float s, int scale_dtype) {
     if (scale_dtype == AXL_F32) return s;
-    return axl_f32_from_bits((axl_bits_of_f32(s) + 0xFFFFu) & 0xFFFF0000u);
+    if (scale_dtype == AXL_BF16)
+        return axl_f32_from_bits((axl_bits_of_f32(s) + 0xFFFFu) & 0xFFFF0000u);
+    uint16_t h = axl_f32_bits_to_f16(axl_bits_of_f32(s));
+    float y = axl_f32_from_bits(axl_f16_to_f32_bits(h));
+    if (y < s) y = axl_f32_from_bits(axl_f16_to_f32_bits((uint16_t)(h + 1)));
+    return y;
 }
 
 /* Stores scale (already rounded by axl_scale_round) as block g of a row's scales. */
 static inline void axl_scale_store(void *scales, int scale_dtype, int64_t g, float scale) {
     if (scale_dtype == AXL_F32)
         ((float *)scales)[g] = scale;
-    else /* exact: scale is a bf16 value */
+    else if (scale_dtype == AXL_BF16) /* exact: scale is a bf16 value */
         ((uint16_t *)scales)[g] = (uint16_t)(axl_bits_of_f32(scale) >> 16);
+    else /* exact: scale is an fp16 value */
+        ((uint16_t *)scales)[g] = axl_f32_bits_to_f16(axl_bits_of_f32(scale));
 }
 
 /* Block g's stored scale, widened to fp32 (exact). */
 static inline float axl_scale_load(const void *scales, int scale_dtype, int64_t g) {
     if (scale_dtype == AXL_F32) return ((const float *)scales)[g];
-    return axl_f32_from_bits((uint32_t)((const uint16_t *)scales)[g] << 16);
+    uint16_t h = ((const uint16_t *)scales)[g];
+    return axl_f32_from_bits(scale_dtype == AXL_BF16 ? (uint32_t)h << 16 : axl_f16_to_f32_bits(h));
 }
 
 /* A symmetric block's scale (rounded to scale_dtype) and its reciprocal from

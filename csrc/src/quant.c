@@ -98,7 +98,7 @@ static int is_float_dtype(int dtype) {
     return dtype == AXL_F32 || dtype == AXL_BF16 || dtype == AXL_F16;
 }
 
-static int is_scale_dtype(int dtype) { return dtype == AXL_F32 || dtype == AXL_BF16; }
+static int is_scale_dtype(int dtype) { return is_float_dtype(dtype); }
 
 static int check_sizes(int64_t rows, int64_t cols, int64_t *numel) {
     if (rows < 0 || cols < 0) return AXL_ERR_BAD_SIZE;

@@ -84,10 +84,13 @@ AXL_AVX512 INLINE void stats_finish(const stats16 *s, float *max_err, float *sqn
 }
 
 /* The scales of 16 blocks as a block uses them (axl_scale_round): each lane of s (finite,
- * >= 0) as it is (AXL_F32) or rounded up to bf16 (add 0xFFFF, then drop the low 16 bits) and
- * widened back (AXL_BF16). */
+ * >= 0) as it is (AXL_F32), rounded up to bf16 (add 0xFFFF, then drop the low 16 bits), or
+ * to fp16 (vcvtps2ph rounding toward +Inf: the smallest fp16 >= s, +Inf above 65504), and
+ * widened back. */
 AXL_AVX512 INLINE __m512 round_scales(__m512 s, int scale_dtype) {
     if (scale_dtype == AXL_F32) return s;
+    if (scale_dtype == AXL_F16)
+        return _mm512_cvtph_ps(_mm512_cvt_roundps_ph(s, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC));
     __m512i b = _mm512_add_epi32(_mm512_castps_si512(s), _mm512_set1_epi32(0xFFFF));
     return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000)));
 }
@@ -97,6 +100,9 @@ AXL_AVX512 INLINE void store_scales(void *scales, int scale_dtype, int64_t g0, _
                                     __m512 s) {
     if (scale_dtype == AXL_F32)
         _mm512_mask_storeu_ps((float *)scales + g0, valid, s);
+    else if (scale_dtype == AXL_F16) /* exact: fp16 values */
+        _mm256_mask_storeu_epi16((uint16_t *)scales + g0, valid,
+                                 _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     else /* exact: the low 16 bits are 0 */
         _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)scales + g0, valid,
                                           _mm512_srli_epi32(_mm512_castps_si512(s), 16));

@@ -23,7 +23,9 @@
 
 static const int float_dtypes[] = {AXL_F32, AXL_BF16, AXL_F16};
 static const char *const dtype_names[] = {"f32", "bf16", "f16"};
-static const int scale_dtypes[] = {AXL_F32, AXL_BF16}; /* how scales are stored */
+/* How scales are stored; the tests written for the first two (goldens, zero and tiny blocks,
+ * clamps) loop over those, the ISA comparisons over all three. */
+static const int scale_dtypes[] = {AXL_F32, AXL_BF16, AXL_F16};
 static const int thread_counts[] = {1, 2, 3, 0};
 
 static uint64_t rng_state = 0x853C49E6748FEA9Bu;
@@ -188,8 +190,26 @@ static int run_dequantize(const qres *r, int symmetric, int64_t block, void *out
 /* Scale i (row * groups + block) of a result, widened to f32. */
 static float scale_at(const qres *r, int64_t i) {
     if (r->scale_dtype == AXL_F32) return ((const float *)r->scales)[i];
-    return axl_f32_from_bits((uint32_t)((const uint16_t *)r->scales)[i] << 16);
+    uint16_t h = ((const uint16_t *)r->scales)[i];
+    if (r->scale_dtype == AXL_BF16) return axl_f32_from_bits((uint32_t)h << 16);
+    return axl_f32_from_bits(axl_f16_to_f32_bits(h));
 }
+
+/* f32 -> fp16 -> f32, rounded up (toward +Inf), written out independently of the library:
+ * the fp16 quantum at x (2^(e - 10) for x in [2^e, 2^(e+1)), e >= -14; 2^-24 below, the
+ * subnormals) times ceil(x / quantum), in double (exact); +Inf above 65504. For finite
+ * x >= 0 only. */
+static float f16_rounded(float x) {
+    if (x == 0) return 0;
+    int e;
+    frexp((double)x, &e); /* x in [2^(e-1), 2^e) */
+    double quantum = ldexp(1.0, (e - 1 < -14 ? -14 : e - 1) - 10);
+    double r = ceil((double)x / quantum) * quantum;
+    return r > 65504.0 ? INFINITY : (float)r;
+}
+
+/* The stored scale of an fp32 scale s, by the scale dtype's rule (up, for bf16 and fp16). */
+static float rounded_scale(float s, int scale_dtype);
 
 /* f32 -> bf16 -> f32, rounded up (toward +Inf), written out independently of the library:
  * x >= 0 keeps its high 16 bits, plus one bf16 step if any dropped bit is set. For finite
@@ -200,8 +220,13 @@ static float bf16_rounded(float x) {
     return axl_f32_from_bits(kept);
 }
 
+static float rounded_scale(float s, int scale_dtype) {
+    return scale_dtype == AXL_BF16 ? bf16_rounded(s) : scale_dtype == AXL_F16 ? f16_rounded(s) : s;
+}
+
 static const char *scale_name(int scale_dtype) {
-    return scale_dtype == AXL_F32 ? "f32 scales" : "bf16 scales";
+    return scale_dtype == AXL_F32 ? "f32 scales" : scale_dtype == AXL_BF16 ? "bf16 scales"
+                                                                            : "f16 scales";
 }
 
 /* Name of the first output that differs ("" if none). */
@@ -244,7 +269,7 @@ static int64_t check_formulas(const void *w, int dt, int symmetric, int64_t bloc
                 hi = x > hi ? x : hi;
             }
             const float s = symmetric ? amax / (float)qmax : (hi - lo) / (float)(qmax - qmin);
-            float scale = r->scale_dtype == AXL_BF16 ? bf16_rounded(s) : s;
+            float scale = rounded_scale(s, r->scale_dtype);
             float inv = scale > 0 ? 1.0f / scale : INFINITY;
             int32_t zp = 0;
             if (isinf(inv)) scale = inv = 0;
@@ -356,8 +381,31 @@ typedef struct case_opts {
 
 /* One weight and format: the reference, then every ISA (with and without statistics);
  * dequantized back to every dtype by every ISA. */
+/* w with every row whose largest |x| is at least 2^16 scaled down by a power of two (exact)
+ * to below 2^16: fp16 scales then stay below 65504 (an fp16 overflow refuses the row; that
+ * is test_f16_scales' to check). NULL when no row needs it. */
+static void *tamed_for_f16(const void *w, int dt, int64_t rows, int64_t cols) {
+    void *copy = NULL;
+    for (int64_t r = 0; r < rows; r++) {
+        float m = 0;
+        for (int64_t k = 0; k < cols; k++) m = fmaxf(m, fabsf(get(w, dt, r * cols + k)));
+        if (m < 65536.0f) continue;
+        if (!copy) {
+            copy = xmalloc((size_t)(rows * cols) * axl_dtype_size(dt));
+            memcpy(copy, w, (size_t)(rows * cols) * axl_dtype_size(dt));
+        }
+        int e;
+        frexpf(m, &e);
+        for (int64_t k = 0; k < cols; k++)
+            put(copy, dt, r * cols + k, ldexpf(get(w, dt, r * cols + k), 16 - e));
+    }
+    return copy;
+}
+
 static void check_format(const void *w, int dt, int64_t rows, int64_t cols, int bits,
                          int symmetric, int64_t block, int scale_dtype, case_opts opts) {
+    void *tamed = scale_dtype == AXL_F16 ? tamed_for_f16(w, dt, rows, cols) : NULL;
+    if (tamed) w = tamed;
     size_t n = (size_t)(rows * cols);
     char what[192];
     snprintf(what, sizeof what, "%s %lldx%lld int%d %s block %lld %s", dtype_names[dt],
@@ -408,13 +456,14 @@ static void check_format(const void *w, int dt, int64_t rows, int64_t cols, int 
     for (int d = 0; d < 3; d++) free(want_out[d]);
     free(got_out);
     qres_free(&want);
+    free(tamed);
 }
 
 /* One weight: check_format for every format, block size and scale dtype. */
 static void check_weight(const void *w, int dt, int64_t rows, int64_t cols, case_opts opts) {
     int64_t blocks[64];
     int nblocks = block_sizes(cols, blocks);
-    for (int sd = 0; sd < 2; sd++)
+    for (int sd = 0; sd < 3; sd++)
         for (int bits = 4; bits <= 8; bits += 4)
             for (int symmetric = 0; symmetric <= 1; symmetric++)
                 for (int bi = 0; bi < nblocks; bi++)
@@ -447,7 +496,7 @@ static void test_ragged_blocks(void) {
         void *w = make_weight(dt, rows, cols);
         for (size_t b = 0; b < sizeof blocks / sizeof *blocks; b++) {
             if (blocks[b] >= cols && b > 0 && blocks[b - 1] >= cols) break; /* one per row */
-            for (int sd = 0; sd < 2; sd++)
+            for (int sd = 0; sd < 3; sd++)
                 for (int bits = 4; bits <= 8; bits += 4)
                     for (int symmetric = 0; symmetric <= 1; symmetric++)
                         check_format(w, dt, rows, cols, bits, symmetric, blocks[b],
@@ -457,7 +506,7 @@ static void test_ragged_blocks(void) {
     }
     for (int a = 0; a < 3; a++) {
         void *w = make_weight(float_dtypes[a], ROW_KINDS * 2 + 1, 200);
-        for (int sd = 0; sd < 2; sd++)
+        for (int sd = 0; sd < 3; sd++)
             for (int bits = 4; bits <= 8; bits += 4)
                 for (int symmetric = 0; symmetric <= 1; symmetric++)
                     check_format(w, float_dtypes[a], ROW_KINDS * 2 + 1, 200, bits, symmetric, 32,
@@ -719,7 +768,7 @@ enum { ABOVE = 1, BELOW = 2, ZP_CLAMPED = 4, SUBNORMAL_SCALE = 8, ONE_SIGN = 16,
 static int clamp_hits(float lo, float hi, int bits, int symmetric, int scale_dtype) {
     const int32_t qmax = bits == 8 ? 127 : 7, qmin = symmetric ? -qmax : -qmax - 1;
     const float s = symmetric ? hi / (float)qmax : (hi - lo) / (float)(qmax - qmin);
-    const float scale = scale_dtype == AXL_BF16 ? bf16_rounded(s) : s;
+    const float scale = rounded_scale(s, scale_dtype);
     const float inv = scale > 0 ? 1.0f / scale : INFINITY;
     if (isinf(inv)) return 0;
     int32_t zp = 0, hits = scale < 0x1p-126f ? SUBNORMAL_SCALE : 0;
@@ -859,6 +908,7 @@ static void test_clamps_bind(void) {
                 const case_opts opts = {1, 0};
                 check_format(w, dt, rows, cols, bits, symmetric, block, AXL_F32, opts);
                 check_format(w, dt, rows, cols, bits, symmetric, block, AXL_BF16, opts);
+                check_format(w, dt, rows, cols, bits, symmetric, block, AXL_F16, opts);
                 free(w);
             }
         }
@@ -1072,6 +1122,45 @@ static void test_thread_failure(void) {
     free(w);
 }
 
+/* fp16 scales: rounded up (golden bits), 2^-24 for any tiny block, 0 for a zero block, and a
+ * row whose scale exceeds 65504 refused (bad_row) on every ISA; 65504 itself is kept. */
+static void test_f16_scales(void) {
+    const int64_t rows = 4, cols = 64;
+    float w[4 * 64];
+    for (int fmt = 0; fmt < 4; fmt++) {
+        const int bits = fmt & 1 ? 8 : 4, symmetric = fmt >> 1;
+        const float levels = symmetric ? (bits == 8 ? 127.0f : 7.0f) : (bits == 8 ? 255.0f : 15.0f);
+        for (int64_t k = 0; k < rows * cols; k++) w[k] = 0;
+        /* row 0, block 0: s = 1.0014.. (between the fp16 values 1 + 2^-10 and 1 + 2^-9) */
+        for (int64_t k = 0; k < 32; k++) w[k] = (k & 1 ? 1.0014286f : 0.25f) * levels;
+        /* row 0, block 1: tiny, s far below 2^-24 */
+        for (int64_t k = 32; k < 64; k++) w[k] = k & 1 ? 1e-30f : -3e-31f;
+        /* row 1: s = 65504 exactly, the largest fp16 */
+        for (int64_t k = 0; k < 64; k++) w[cols + k] = k == 5 ? 65504.0f * levels : 1.0f;
+        /* row 2: block 0 zero; row 3: s just above 65504 */
+        for (int64_t k = 32; k < 64; k++) w[2 * cols + k] = 1.0f;
+        for (int64_t k = 0; k < 64; k++) w[3 * cols + k] = k == 40 ? 65505.0f * levels : 1.0f;
+        for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+            if (!isa_available(isa)) continue;
+            qres r;
+            qres_init(&r, rows, cols, bits, 32, AXL_F16);
+            int status = run_quantize(w, AXL_F32, symmetric, 32, 1, &r, 1, isa);
+            CHECK_MSG(status == AXL_ERR_NON_FINITE && r.bad_row == 3,
+                      "int%d sym %d isa %s: status %d bad_row %lld", bits, symmetric,
+                      axl_isa_name(isa), status, (long long)r.bad_row);
+            qres_free(&r);
+            qres_init(&r, 3, cols, bits, 32, AXL_F16);
+            status = run_quantize(w, AXL_F32, symmetric, 32, 1, &r, 1, isa);
+            const uint16_t *h = (const uint16_t *)r.scales;
+            CHECK_MSG(status == AXL_OK && h[0] == 0x3C02 && h[1] == 0x0001 && h[2] == 0x7BFF &&
+                          h[4] == 0,
+                      "int%d sym %d isa %s: status %d, scales 0x%04x 0x%04x 0x%04x 0x%04x",
+                      bits, symmetric, axl_isa_name(isa), status, h[0], h[1], h[2], h[4]);
+            qres_free(&r);
+        }
+    }
+}
+
 /* ---- bad arguments ------------------------------------------------------------------------- */
 
 static void test_bad_arguments(int sd) {
@@ -1094,8 +1183,8 @@ static void test_bad_arguments(int sd) {
         CHECK_EQ(axl_dequantize(q, scales, sd, zp, 4, 64, 8, 32, out, bad_dtypes[i], 1, 0),
                  AXL_ERR_BAD_DTYPE);
     }
-    /* scale dtypes: f32 or bf16 only; checked with the other dtypes, before anything else */
-    const int bad_scale_dtypes[] = {-1, AXL_F16, AXL_I8, AXL_U8, AXL_DTYPE_COUNT, 99};
+    /* scale dtypes: f32, bf16 or f16 only; checked with the other dtypes, before anything else */
+    const int bad_scale_dtypes[] = {-1, AXL_I8, AXL_U8, AXL_DTYPE_COUNT, 99};
     for (size_t i = 0; i < sizeof bad_scale_dtypes / sizeof *bad_scale_dtypes; i++) {
         const int bsd = bad_scale_dtypes[i];
         CHECK_EQ(axl_quantize(w, AXL_F32, 4, 64, 8, 0, 32, q, scales, bsd, zp, NULL, NULL, NULL, 1,
@@ -1317,6 +1406,8 @@ void test_quant(void) {
     test_non_finite();
     test_symmetric_zero_points();
     test_thread_failure();
+    test_f16_scales();
     test_bad_arguments(AXL_F32);
     test_bad_arguments(AXL_BF16);
+    test_bad_arguments(AXL_F16);
 }

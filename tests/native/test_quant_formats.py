@@ -55,3 +55,46 @@ def test_ragged_blocks_equal_zero_padded_rows(bits, symmetric, cols, block):
         y_padded = _native.dequantize(want.q, want.scale, want.zero_point, bits=bits,
                                       cols=padded.shape[1], block_size=block)
         assert torch.equal(y, y_padded[:, :cols]), isa
+
+
+def _f16_up(s: torch.Tensor) -> torch.Tensor:
+    """float32 scales rounded UP to float16 (the smallest float16 >= s), widened back: round to
+    nearest, then one float16 step up where that fell below s."""
+    h = s.to(torch.float16)
+    below = h.to(torch.float32) < s
+    up = torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16))
+    return torch.where(below, up, h).to(torch.float32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_float16_scales_round_up(bits, symmetric):
+    g = torch.Generator().manual_seed(bits + 2 * symmetric)
+    w = (torch.randn(16, 96, generator=g) * torch.logspace(-6, 3, 16).unsqueeze(1)).contiguous()
+    kw = dict(bits=bits, symmetric=symmetric, block_size=32, stats=True)
+    f32 = _native.quantize(w, **kw)
+    for isa in ISAS:
+        r = _native.quantize(w, scale_dtype=torch.float16, isa=isa, **kw)
+        assert r.scale.dtype == torch.float16
+        # The float32 scale rounded up is what is stored (never below it).
+        assert torch.equal(r.scale.float(), _f16_up(f32.scale)), isa
+        y = _native.dequantize(r.q, r.scale, r.zero_point, bits=bits, cols=96, block_size=32,
+                               isa=isa)
+        step = r.scale.float().repeat_interleave(32, dim=1)
+        # Half a step plus float32 rounding (2^-13 of a step, as in test_quantize.py).
+        assert bool(((w - y).abs() <= step * (0.5 + 2.0**-13)).all()), isa
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_float16_scale_overflow_is_named(symmetric):
+    w = torch.ones(3, 64)
+    levels = 7 if symmetric else 15
+    w[2, 40] = 65505.0 * levels  # a scale just above 65504
+    with pytest.raises(_native.NativeError) as e:
+        _native.quantize(w, bits=4, symmetric=symmetric, block_size=32,
+                         scale_dtype=torch.float16)
+    assert e.value.row == 2 and e.value.reason == "scale_overflow"
+    assert "float16" in str(e.value) and "columns 32 to 63" in str(e.value)
+    w[2, 40] = 65504.0 * levels  # exactly the largest float16 scale
+    r = _native.quantize(w, bits=4, symmetric=symmetric, block_size=32, scale_dtype=torch.float16)
+    assert float(r.scale[2, 1]) == 65504.0

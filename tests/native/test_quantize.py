@@ -2,7 +2,7 @@
 
 Property tests (Hypothesis) over random shapes, odd widths included, the three source dtypes,
 every format (8/4 bits x symmetric/asymmetric x per-channel/blocks of 32..1024) and both scale
-dtypes (float32, bfloat16):
+dtypes (float32, bfloat16; float16 scales: test_quant_formats.py):
   (a) the error bound: every element within half a quantization step of the stored scale
       (plus the named rounding allowances below) of its dequantized value, with either scale
       dtype (a bfloat16 scale is the float32 one rounded up, so the block's range fits);
@@ -519,7 +519,7 @@ BAD_CALLS = [
     ("out.scale f16 for bf16", _quant(scale_dtype=torch.bfloat16, out=_out(scale=torch.empty(4, 2, dtype=torch.float16))), ValueError, r"out\.scale has dtype torch\.float16"),
     ("out.scale bf16 shape", _quant(scale_dtype=torch.bfloat16, out=_out(scale=torch.empty(4, 1, dtype=torch.bfloat16))), ValueError, r"out\.scale has shape"),
     ("out.scale bf16 misaligned", _quant(scale_dtype=torch.bfloat16, out=_out(scale=torch.frombuffer(bytearray(20), dtype=torch.bfloat16, offset=1, count=8).view(4, 2))), ValueError, "aligned"),
-    ("scale_dtype float16", _quant(scale_dtype=torch.float16), ValueError, r"scale_dtype=torch\.float16 .*torch\.float32 or torch\.bfloat16"),
+    ("scale_dtype float64", _quant(scale_dtype=torch.float64), ValueError, r"scale_dtype=torch\.float64 .*torch\.float32 or torch\.bfloat16 or torch\.float16"),
     ("scale_dtype float64", _quant(scale_dtype=torch.float64), ValueError, r"scale_dtype=torch\.float64 .*torch\.float32 or torch\.bfloat16"),
     ("scale_dtype int8", _quant(scale_dtype=torch.int8), ValueError, r"torch\.float32 or torch\.bfloat16"),
     ("scale_dtype str", _quant(scale_dtype="bfloat16"), ValueError, r"scale_dtype='bfloat16' .*torch\.float32 or torch\.bfloat16"),
@@ -544,7 +544,7 @@ BAD_CALLS = [
     ("dq bits", _dequant(bits=2), ValueError, "bits=2"),
     ("dq scale shape", _dequant(scale=Q8.scale[:2]), ValueError, r"scale has shape"),
     ("dq scale dtype", _dequant(scale=Q8.scale.double()), ValueError, "scale has dtype"),
-    ("dq scale float16", _dequant(scale=Q8.scale.half()), ValueError, r"scale has dtype torch\.float16; expected one of torch\.float32, torch\.bfloat16"),
+    ("dq scale float64", _dequant(scale=Q8.scale.double()), ValueError, r"scale has dtype torch\.float64; expected one of torch\.float32, torch\.bfloat16, torch\.float16"),
     ("dq scale int16", _dequant(scale=Q8.scale.to(torch.bfloat16).view(torch.int16)), ValueError, r"scale has dtype torch\.int16"),
     ("dq scale bf16 shape", _dequant(scale=Q8.scale.to(torch.bfloat16)[:3]), ValueError, r"scale has shape"),
     ("dq scale bf16 misaligned", _dequant(scale=torch.frombuffer(bytearray(20), dtype=torch.bfloat16, offset=1, count=8).view(4, 2)), ValueError, "aligned"),
