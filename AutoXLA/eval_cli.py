@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--window", type=int, default=None,
                    help="tokens per forward; windows are scored independently (default 512)")
     p.add_argument("--strategy", default="2d", help="fsdp, dp, mp, 2d or 3d (default 2d)")
-    p.add_argument("--devices", type=int, default=8, help="virtual CPU devices off a TPU (default 8)")
+    p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (default 8)")
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--list", action="store_true", help="list the formats and exit (PATH unused)")
 

@@ -58,7 +58,6 @@ FORMATS = {f.name: f for f in (
     autoxla("int4-b64", "int4 blocks of 64, symmetric", bits=4, block_size=64),
     autoxla("int4-b64-asym", "int4 blocks of 64, int8 zero point per block", bits=4,
             block_size=64, symmetric=False),
-    autoxla("int4-b128", "int4 blocks of 128, symmetric", bits=4, block_size=128),
     llama_cpp("Q8_0", "llama.cpp: blocks of 32 int8, fp16 scale"),
     llama_cpp("Q5_0", "llama.cpp: blocks of 32 5-bit, fp16 scale"),
     llama_cpp("Q5_1", "llama.cpp: blocks of 32 5-bit, fp16 scale and fp16 minimum"),

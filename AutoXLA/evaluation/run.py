@@ -143,7 +143,10 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
     from . import vision
 
     log = log or (lambda _msg: None)
-    fmts = [f if isinstance(f, Format) else parse_formats([f])[0] for f in formats]
+    if isinstance(formats, (str, Format)):
+        formats = [formats]
+    fmts = [f for item in formats
+            for f in ([item] if isinstance(item, Format) else parse_formats([item]))]
     fmts = [FORMATS["float"]] * reference + [f for f in fmts if f.kind != FLOAT]
     for f in fmts:                      # fail before any model is loaded
         if f.kind == LLAMA_CPP:
