@@ -8,12 +8,20 @@ from dataclasses import asdict, dataclass, field, fields
 # Saved as config.json["quantization_config"]; bump on any change of the saved layout.
 # Version 2 adds int8 embedding tables (quantize_embeddings); a config without them is still
 # written as version 1, so such checkpoints stay readable by an AutoXLA that reads only version 1.
+# Version 3 adds scale dtypes other than bfloat16 (scale_dtype); each config is written with the
+# lowest version that describes it.
 FORMAT_VERSION = 1
 EMBEDDINGS_FORMAT_VERSION = 2
-READABLE_VERSIONS = (FORMAT_VERSION, EMBEDDINGS_FORMAT_VERSION)
+SCALE_DTYPE_FORMAT_VERSION = 3
+READABLE_VERSIONS = (FORMAT_VERSION, EMBEDDINGS_FORMAT_VERSION, SCALE_DTYPE_FORMAT_VERSION)
 QUANT_METHOD = "autoxla"
 BITS = (8, 4)
 BACKENDS = ("auto", "pallas", "xla_op", "fallback")
+# The dtypes a scale can be stored in. bfloat16 is the default: float32's range (no weight can
+# overflow it) at half the bytes; float16 has 3 more mantissa bits (a finer scale, so less error,
+# measured in docs/quantization.md) but tops out at 65504; float32 costs twice the bytes.
+SCALE_DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_SCALE_DTYPE = "bfloat16"
 # per_channel=False without a block_size: llama.cpp's Q4_0/Q8_0 block, which divides every width
 # that is a multiple of 32 (nearly every model's hidden and intermediate sizes); a width it does
 # not divide gets a shorter last block (ragged), like any other block size.
@@ -48,6 +56,13 @@ class LayerFormat:
     block_size: int       # elements per scale along the input dim; == in_features for per-channel
     in_features: int
     out_features: int
+    scale_dtype: str = DEFAULT_SCALE_DTYPE   # one of SCALE_DTYPES
+
+    @property
+    def torch_scale_dtype(self):
+        import torch
+
+        return getattr(torch, self.scale_dtype)
 
     @property
     def per_channel(self) -> bool:
@@ -77,7 +92,8 @@ class LayerFormat:
         blocks = "per-channel" if self.per_channel else f"block {self.block_size}"
         if self.ragged:
             blocks += f" (last {self.in_features % self.block_size})"
-        return f"int{self.bits} {blocks} {'sym' if self.symmetric else 'asym'}"
+        scales = "" if self.scale_dtype == DEFAULT_SCALE_DTYPE else f", {self.scale_dtype} scales"
+        return f"int{self.bits} {blocks} {'sym' if self.symmetric else 'asym'}{scales}"
 
 
 @dataclass
@@ -90,6 +106,8 @@ class QuantizationConfig:
         last block of each row is shorter (ragged), and where it is at least that dimension the
         layer has one block per row (per-channel).
     symmetric: True = scale only; False = scale and an int8 zero point per group.
+    scale_dtype: "bfloat16" (default), "float16" or "float32": how each scale is stored (the C
+        engine rounds the float32 scale UP to it, so every value stays within half a step).
     quantize_activation: dynamic per-row int8 activations (W8A8) where the backend has them.
     use_pallas: None = the Pallas TPU kernel when running on a TPU; True = asked for it (a warning
         when it cannot be used); False = never.
@@ -113,6 +131,7 @@ class QuantizationConfig:
     n_bits: int | None = None
     block_size: int = -1
     symmetric: bool = True
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
     quantize_activation: bool = False
     use_pallas: bool | None = None
     exclude_layers: list[str] = field(default_factory=list)
@@ -140,6 +159,9 @@ class QuantizationConfig:
             raise ValueError(f"block_size={bs!r} is not supported; use -1 (per-channel) or a "
                              "positive number of inputs per scale, e.g. 32 or 128")
         self._resolve_per_channel()
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use one of "
+                             f"{', '.join(map(repr, SCALE_DTYPES))}")
         for name in ("symmetric", "quantize_activation", "quantize_lm_head", "quantize_embeddings",
                      "use_xla_kernel", "pack_4bit", "auto_tune_block_sizes"):
             if not isinstance(getattr(self, name), bool):
@@ -185,12 +207,14 @@ class QuantizationConfig:
         """The format of layer ``name``: a block size at least its input dimension is one block
         per row (per-channel); one that does not divide it leaves a shorter last block."""
         block = in_features if self.block_size == -1 else min(self.block_size, in_features)
-        return LayerFormat(self.n_bits, self.symmetric, block, in_features, out_features)
+        return LayerFormat(self.n_bits, self.symmetric, block, in_features, out_features,
+                           self.scale_dtype)
 
     def embedding_format(self, num_embeddings: int, embedding_dim: int) -> LayerFormat:
         """An embedding table (vocab, hidden): int8 with one scale per row, whatever n_bits and
         block_size say (a row is what a lookup reads, so it is the natural group)."""
-        return LayerFormat(8, self.symmetric, embedding_dim, embedding_dim, num_embeddings)
+        return LayerFormat(8, self.symmetric, embedding_dim, embedding_dim, num_embeddings,
+                           self.scale_dtype)
 
     def excludes(self, name: str) -> str | None:
         """The exclude_layers pattern that matches module ``name``, or None."""
@@ -204,18 +228,24 @@ class QuantizationConfig:
     def to_dict(self) -> dict:
         """The saved form. per_channel is folded into block_size and pack_4bit /
         auto_tune_block_sizes change nothing, so none is saved; quantize_embeddings,
-        use_xla_kernel and float_activation_layers are saved only when not at their defaults, so a config that does not use
-        them is the version-1 dict, byte for byte."""
+        use_xla_kernel, float_activation_layers and scale_dtype are saved only when not at their
+        defaults, so a config that does not use them is the version-1 dict, byte for byte."""
         d = asdict(self)
         for key in ("bits", "per_channel", "pack_4bit", "auto_tune_block_sizes"):
             d.pop(key)
         for key, default in (("quantize_embeddings", False), ("use_xla_kernel", True),
-                             ("float_activation_layers", [])):
+                             ("float_activation_layers", []), ("scale_dtype", DEFAULT_SCALE_DTYPE)):
             if d[key] == default:
                 d.pop(key)
         d["quant_method"] = QUANT_METHOD
-        d["format_version"] = EMBEDDINGS_FORMAT_VERSION if self.quantize_embeddings else FORMAT_VERSION
+        d["format_version"] = self._format_version()
         return d
+
+    def _format_version(self) -> int:
+        """The lowest saved-layout version that describes this config."""
+        if self.scale_dtype != DEFAULT_SCALE_DTYPE:
+            return SCALE_DTYPE_FORMAT_VERSION
+        return EMBEDDINGS_FORMAT_VERSION if self.quantize_embeddings else FORMAT_VERSION
 
     @classmethod
     def from_dict(cls, d: dict) -> "QuantizationConfig":
@@ -240,8 +270,8 @@ class QuantizationConfig:
 
     def same_weights_as(self, other: "QuantizationConfig") -> bool:
         """True when both produce the same stored tensors (runtime-only settings may differ)."""
-        keys = ("n_bits", "block_size", "symmetric", "exclude_layers", "quantize_lm_head",
-                "quantize_embeddings")
+        keys = ("n_bits", "block_size", "symmetric", "scale_dtype", "exclude_layers",
+                "quantize_lm_head", "quantize_embeddings")
         return all(getattr(self, k) == getattr(other, k) for k in keys)
 
 

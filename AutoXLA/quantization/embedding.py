@@ -3,7 +3,7 @@
 Stored tensors (persistent buffers, named as QuantizedLinear's so that the loader, the plan and
 save_pretrained treat both alike):
   weight             int8 (num_embeddings, embedding_dim): the table, per row
-  weight_scale       bfloat16 (num_embeddings, 1): one scale per row (SCALE_DTYPE)
+  weight_scale       (num_embeddings, 1) of the config's scale dtype: one scale per row
   weight_zero_point  int8 (num_embeddings, 1), asymmetric formats only
 A lookup gathers the rows of the int8 table and their scales and dequantizes only those rows, with
 the arithmetic of linear.dequantize (fp32, one rounding to the output dtype), so the full-precision

@@ -4,7 +4,8 @@ Stored tensors (persistent buffers, so state_dict and save_pretrained carry them
   weight             int8 (out, in), or uint8 (out, ceil(in/2)) for int4: two values per byte,
                      element 2j of a row in the low nibble, 2j+1 in the high nibble, each a 4-bit
                      two's complement value (the C core's layout, csrc/include/autoxla.h)
-  weight_scale       bfloat16 (out, groups): one scale per block_size inputs (SCALE_DTYPE)
+  weight_scale       (out, groups) of the format's scale dtype (bfloat16 unless scale_dtype says
+                     otherwise): one scale per block_size inputs
   weight_zero_point  int8 (out, groups), asymmetric formats only
   bias               the float bias, a trainable Parameter, never quantized
 Dequantized value: (q - zero_point) * scale. int4 stays packed on the device and is unpacked inside
@@ -16,12 +17,6 @@ import torch
 from torch import nn
 
 from .config import LayerFormat
-
-# Scales are stored in bfloat16: the C engine rounds each fp32 scale up to bf16 and computes the
-# quantized values from the stored scale, so every value stays within half a step, and a small layer's
-# scales cost half of what fp32 would (docs/quantization.md).
-SCALE_DTYPE = torch.bfloat16
-
 
 class QuantizedLinear(nn.Module):
     def __init__(self, fmt: LayerFormat, bias: bool, backend: str, quantize_activation: bool = False,
@@ -63,8 +58,10 @@ def register_quantized_buffers(module: nn.Module, fmt: LayerFormat, device=None)
     know a quantized module's tensors by (QuantizedLinear, QuantizedEmbedding)."""
     qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
     module.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=qdtype, device=device))
-    module.register_buffer("weight_scale", torch.zeros(fmt.scale_shape, dtype=SCALE_DTYPE,
-                                                       device=device))
+    # The C engine rounds each fp32 scale UP to this dtype and quantizes with the stored scale,
+    # so every value stays within half a step (docs/quantization.md).
+    module.register_buffer("weight_scale", torch.zeros(fmt.scale_shape,
+                                                       dtype=fmt.torch_scale_dtype, device=device))
     if not fmt.symmetric:
         module.register_buffer("weight_zero_point", torch.zeros(fmt.scale_shape, dtype=torch.int8,
                                                                 device=device))

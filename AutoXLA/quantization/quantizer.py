@@ -21,7 +21,7 @@ from ..module_swap import repointing_references
 from .backends import ACTIVATION_QUANT, choose
 from .config import LayerFormat, QuantizationConfig
 from .embedding import GATHER, QuantizedEmbedding
-from .linear import SCALE_DTYPE, QuantizedLinear
+from .linear import QuantizedLinear
 
 logger = logging.getLogger("AutoXLA")
 
@@ -112,7 +112,8 @@ def quantize_tensor(w: torch.Tensor, fmt: LayerFormat, name: str = "", stats: bo
         w = w.to(torch.float32)
     try:
         return _native.quantize(w.contiguous(), bits=fmt.bits, symmetric=fmt.symmetric,
-                                block_size=fmt.block_size, stats=stats, scale_dtype=SCALE_DTYPE)
+                                block_size=fmt.block_size, stats=stats,
+                                scale_dtype=fmt.torch_scale_dtype)
     except _native.NativeError as e:
         row = getattr(e, "row", None)
         if row is None:

@@ -9,7 +9,9 @@ import torch
 from AutoXLA import _native
 from AutoXLA.quantization import QuantizationConfig
 from AutoXLA.quantization.backends import choose, pallas_arguments, xla_op_arguments
-from AutoXLA.quantization.linear import SCALE_DTYPE, QuantizedLinear, dequantize, unpack_int4
+from AutoXLA.quantization.linear import QuantizedLinear, dequantize, unpack_int4
+
+SCALE_DTYPE = torch.bfloat16     # the default format's scales
 
 FORMATS = [  # (n_bits, block_size, symmetric)
     (8, -1, True), (8, -1, False), (8, 32, True), (8, 64, False),
