@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 # Must equal AXL_ABI_VERSION in csrc/include/autoxla.h.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # axl_dtype values (autoxla.h) of the dtypes axl_convert takes.
 _CONVERT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -89,6 +89,21 @@ _MAX_BLOCKS = 2**16
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 _REBUILD = "rebuild it with `pip install -e .` from the AutoXLA source tree"
+
+
+class _QSpec(ctypes.Structure):
+    """axl_qspec (autoxla.h), field for field."""
+
+    _fields_ = [
+        ("bits", ctypes.c_int32), ("scheme", ctypes.c_int32), ("block_size", ctypes.c_int64),
+        ("scale_dtype", ctypes.c_int32), ("search", ctypes.c_int32),
+        ("importance", ctypes.c_void_p),
+    ]
+
+
+# axl_qscheme values.
+_Q_SYMMETRIC, _Q_ZERO_POINT, _Q_OFFSET = 0, 1, 2
+_AXL_ERR_BAD_VALUE = 13
 
 
 class NativeLibraryError(ImportError):
@@ -196,6 +211,18 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int,
     ]
     lib.axl_dequantize.restype = ctypes.c_int
+    lib.axl_quantize_spec.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(_QSpec),
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_int,
+    ]
+    lib.axl_quantize_spec.restype = ctypes.c_int
+    lib.axl_dequantize_spec.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+        ctypes.c_int64, ctypes.POINTER(_QSpec), ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int,
+    ]
+    lib.axl_dequantize_spec.restype = ctypes.c_int
 
     return lib
 
@@ -784,6 +811,8 @@ class Quantized(NamedTuple):
     max_err: float32 (rows,), the largest |w - dequantized| per row; sqnr_db: float32
     (rows,), 10 log10(sum w^2 / sum (w - dequantized)^2) per row (+inf for an exact row);
     both None unless quantize(..., stats=True).
+    offset: (rows, G) of the scale dtype for quantize(..., offset=True), where the dequantized
+    value is q * scale + offset (no zero point); None otherwise.
     """
 
     q: torch.Tensor
@@ -791,6 +820,7 @@ class Quantized(NamedTuple):
     zero_point: torch.Tensor | None
     max_err: torch.Tensor | None
     sqnr_db: torch.Tensor | None
+    offset: torch.Tensor | None = None
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -834,6 +864,33 @@ def _check_block(block_size: object, cols: int) -> int:
         f"block_size={block} is not a block size: pass -1 (one scale per row) or a positive "
         f"number of elements per block (e.g. 32; the last block of a row may be shorter)"
     )
+
+
+def _check_importance(importance: object, cols: int, search: bool) -> torch.Tensor | None:
+    """The search's per-column weights: None, or a float32 (cols,) CPU tensor, finite, >= 0."""
+    if importance is None:
+        return None
+    if not search:
+        raise ValueError(
+            "importance weights only the search's error: pass search=True with it (or drop it)"
+        )
+    t = _check_cpu_tensor(
+        "importance", importance, {torch.float32: None},
+        ": pass one float32 weight per input column, e.g. x.pow(2).mean(0).float()",
+    )
+    if tuple(t.shape) != (cols,):
+        raise ValueError(
+            f"importance has shape {tuple(t.shape)}, expected ({cols},): one weight per input "
+            f"column of w"
+        )
+    bad = ~(torch.isfinite(t) & (t >= 0))
+    if bool(bad.any()):
+        col = int(bad.nonzero()[0])
+        raise ValueError(
+            f"importance[{col}] is {float(t[col])}; every weight must be finite and >= 0 "
+            f"(clean it, e.g. torch.nan_to_num(importance).clamp(min=0))"
+        )
+    return t
 
 
 def _groups(cols: int, block: int) -> int:
@@ -892,7 +949,7 @@ _SKIP_FIX = (
 
 def _non_finite_message(
     w: torch.Tensor, row: int, block: int, bits: int = 8, symmetric: bool = True,
-    scale_dtype: torch.dtype = torch.float32,
+    scale_dtype: torch.dtype = torch.float32, offset: bool = False,
 ) -> tuple[str, str | None]:
     """What axl_quantize's AXL_ERR_NON_FINITE for `row` means, and the reason (NativeError).
 
@@ -929,11 +986,19 @@ def _non_finite_message(
         qmax = 127 if bits == 8 else 7
         s = hi.clamp(min=-lo) / qmax if symmetric else (hi - lo) / (2 * qmax + 1)
         big = s > torch.finfo(torch.float16).max
+        if offset:  # the scale of [min, max], and the offset near min, both stored as float16
+            mn, mx = blocks.min(dim=1).values, blocks.max(dim=1).values
+            if cols % block:  # the padding zeros of the short last block are not its values
+                last = values[(groups - 1) * block:]
+                mn[-1], mx[-1] = last.min(), last.max()
+            s = (mx - mn) / (2 * qmax + 1)
+            big = (s > torch.finfo(torch.float16).max) | ((mn + (qmax + 1) * s).abs() > 65519)
         if bool(big.any()):
             g = int(big.nonzero()[0])
             return (
                 f"row {row} of the weight is finite, but its block {g} (columns {g * block} to "
-                f"{min((g + 1) * block, cols) - 1}) needs a scale of {float(s[g]):.6g}, above "
+                f"{min((g + 1) * block, cols) - 1}) needs a scale of {float(s[g]):.6g} (or an "
+                f"offset) above "
                 f"float16's largest value {torch.finfo(torch.float16).max:.0f}: store the scales "
                 f"as torch.bfloat16 or torch.float32 (scale_dtype=...), or scale the weights "
                 f"down, {_SKIP_FIX}", "scale_overflow",
@@ -981,8 +1046,24 @@ def quantize(
     nthreads: int = 0,
     isa: str = "auto",
     out: Quantized | None = None,
+    search: bool = False,
+    importance: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> Quantized:
     """Quantize the (rows, cols) weight w to int8 or int4 with the C core; see Quantized.
+
+    search: True runs the error-minimising search per block (autoxla.h, "formats and the
+    error-minimising search"): candidate scales around the absmax / min-max one (for
+    symmetric ones also mapping the signed extreme to -8 / -128, so a scale may be negative),
+    each refit by least squares, the lowest (weighted) squared error kept only if below the
+    plain result's, so no block is ever worse than without the search; the plain half-step
+    bound below then no longer holds for searched blocks. importance: with search=True, None
+    (uniform) or a float32 (cols,) CPU tensor of finite weights >= 0 per input column (e.g. the
+    mean squared activation from calibration) that weight the squared error. offset: True
+    (with symmetric=False) for the float-offset scheme y = q * scale + offset (like
+    llama.cpp's Q4_1; q over the full range, scale = (max - min) / (qmax - qmin) rounded up,
+    offset = min - qmin * scale rounded to nearest, stored in the scale dtype as
+    Quantized.offset, no zero point). All of these give the same bits on every ISA.
 
     w: a 2-D contiguous CPU tensor of float32, bfloat16 or float16, read in place.
     bits: 8 or 4. symmetric: True for q in [-qmax, qmax] with no zero point; False for the
@@ -1022,19 +1103,30 @@ def quantize(
     bits = _check_bits(bits)
     symmetric = _check_bool("symmetric", symmetric)
     stats = _check_bool("stats", stats)
+    search = _check_bool("search", search)
+    offset = _check_bool("offset", offset)
+    if offset and symmetric:
+        raise ValueError(
+            "offset=True is an asymmetric scheme (y = q * scale + offset); pass "
+            "symmetric=False with it"
+        )
     scale_dtype = _check_scale_dtype(scale_dtype)
     rows, cols = w.shape
     block = _check_block(block_size, cols)
     groups = _groups(cols, block)
+    importance = _check_importance(importance, cols, search)
     threads = _check_nthreads(nthreads)
     isa_code = _check_isa(isa)
+    scheme = _Q_SYMMETRIC if symmetric else _Q_OFFSET if offset else _Q_ZERO_POINT
+    has_zp = scheme == _Q_ZERO_POINT
     lib = _get_lib()  # before allocating: a missing library should fail first
 
     q_shape = quantized_shape(rows, cols, bits)
     if out is None:
         q = torch.empty(q_shape, dtype=_Q_DTYPES[bits])
         scale = torch.empty((rows, groups), dtype=scale_dtype)
-        zero_point = None if symmetric else torch.empty((rows, groups), dtype=torch.int8)
+        zero_point = torch.empty((rows, groups), dtype=torch.int8) if has_zp else None
+        offsets = torch.empty((rows, groups), dtype=scale_dtype) if offset else None
         max_err = torch.empty(rows, dtype=torch.float32) if stats else None
         sqnr_db = torch.empty(rows, dtype=torch.float32) if stats else None
     else:
@@ -1045,14 +1137,22 @@ def quantize(
             )
         q = _check_out_tensor("out.q", out.q, _Q_DTYPES[bits], q_shape)
         scale = _check_out_tensor("out.scale", out.scale, scale_dtype, (rows, groups))
-        if symmetric != (out.zero_point is None):
+        if has_zp == (out.zero_point is None):
             raise ValueError(
-                "out.zero_point must be None for symmetric=True and an int8 tensor of "
-                f"shape {(rows, groups)} for symmetric=False"
+                "out.zero_point must be None for symmetric=True or offset=True and an int8 "
+                f"tensor of shape {(rows, groups)} for symmetric=False"
             )
-        zero_point = None if symmetric else _check_out_tensor(
+        zero_point = _check_out_tensor(
             "out.zero_point", out.zero_point, torch.int8, (rows, groups)
-        )
+        ) if has_zp else None
+        if offset == (out.offset is None):
+            raise ValueError(
+                f"out.offset must be a {scale_dtype} tensor of shape {(rows, groups)} for "
+                f"offset=True and None otherwise"
+            )
+        offsets = _check_out_tensor(
+            "out.offset", out.offset, scale_dtype, (rows, groups)
+        ) if offset else None
         for name in ("max_err", "sqnr_db"):
             if stats != (getattr(out, name) is not None):
                 raise ValueError(
@@ -1062,39 +1162,41 @@ def quantize(
         max_err = _check_out_tensor("out.max_err", out.max_err, torch.float32, (rows,)) if stats else None
         sqnr_db = _check_out_tensor("out.sqnr_db", out.sqnr_db, torch.float32, (rows,)) if stats else None
         _check_disjoint({
-            "w": w, "out.q": q, "out.scale": scale, "out.zero_point": zero_point,
-            "out.max_err": max_err, "out.sqnr_db": sqnr_db,
+            "w": w, "importance": importance, "out.q": q, "out.scale": scale,
+            "out.zero_point": zero_point, "out.offset": offsets, "out.max_err": max_err,
+            "out.sqnr_db": sqnr_db,
         })
     outputs = {} if out is None else {
-        "out.q": q, "out.scale": scale, "out.zero_point": zero_point, "out.max_err": max_err,
-        "out.sqnr_db": sqnr_db,
+        "out.q": q, "out.scale": scale, "out.zero_point": zero_point, "out.offset": offsets,
+        "out.max_err": max_err, "out.sqnr_db": sqnr_db,
     }
-    _check_host_memory(outputs, {"w": w})
+    _check_host_memory(outputs, {"w": w, "importance": importance})
 
     def ptr(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
     bad_row = ctypes.c_int64(-1)
+    spec = _QSpec(bits, scheme, block, _SCALE_DTYPES[scale_dtype], int(search), ptr(importance))
     # Every tensor stays referenced by this frame until the call returns.
-    status = lib.axl_quantize(
-        w.data_ptr(), _CONVERT_DTYPES[w.dtype], rows, cols, bits, int(symmetric), block,
-        q.data_ptr(), scale.data_ptr(), _SCALE_DTYPES[scale_dtype], ptr(zero_point),
-        ptr(max_err), ptr(sqnr_db), ctypes.byref(bad_row), threads, isa_code,
+    status = lib.axl_quantize_spec(
+        w.data_ptr(), _CONVERT_DTYPES[w.dtype], rows, cols, ctypes.byref(spec), q.data_ptr(),
+        scale.data_ptr(), ptr(zero_point), ptr(offsets), ptr(max_err), ptr(sqnr_db),
+        ctypes.byref(bad_row), threads, isa_code,
     )
+    kind = "symmetric" if symmetric else "offset" if offset else "asymmetric"
     what = (
-        f"quantize {w.dtype} {tuple(w.shape)} to int{bits} "
-        f"{'symmetric' if symmetric else 'asymmetric'} block {block}, {scale_dtype} scales "
-        f"(isa={isa!r}, nthreads={threads})"
+        f"quantize {w.dtype} {tuple(w.shape)} to int{bits} {kind} block {block}, "
+        f"{scale_dtype} scales{', search' if search else ''} (isa={isa!r}, nthreads={threads})"
     )
     if status == _AXL_ERR_NON_FINITE:
         row = bad_row.value
-        message, reason = _non_finite_message(w, row, block, bits, symmetric, scale_dtype)
+        message, reason = _non_finite_message(w, row, block, bits, symmetric, scale_dtype, offset)
         raise NativeError(status, f"{what}: {message}", row=row, reason=reason, detail=message)
     _check_status(status, what)
     if stats and cols == 0:  # the C core writes nothing for an empty matrix
         max_err.zero_()
         sqnr_db.fill_(math.inf)
-    return Quantized(q, scale, zero_point, max_err, sqnr_db) if out is None else out
+    return Quantized(q, scale, zero_point, max_err, sqnr_db, offsets) if out is None else out
 
 
 def dequantize(
@@ -1109,8 +1211,12 @@ def dequantize(
     nthreads: int = 0,
     isa: str = "auto",
     out: torch.Tensor | None = None,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The (rows, cols) weight of dtype back from quantize()'s q, scale and zero_point.
+
+    offset: quantize(..., offset=True)'s Quantized.offset (then zero_point must be None):
+    y = float32(q) * scale + offset instead.
 
     y = float32(q - zero_point) * scale, then rounded to dtype exactly as convert() rounds.
     q, scale, zero_point: as in Quantized (zero_point None = symmetric); scale is float32,
@@ -1142,6 +1248,18 @@ def dequantize(
             f"scale has shape {tuple(scale.shape)}, expected {(rows, groups)} (one per block "
             f"of {block}); check block_size"
         )
+    if offset is not None:
+        if zero_point is not None:
+            raise ValueError(
+                "zero_point and offset were both given; the offset scheme has no zero point: "
+                "pass zero_point=None with quantize(..., offset=True)'s offset"
+            )
+        offset = _check_cpu_tensor(
+            "offset", offset, {scale.dtype: None},
+            f": pass quantize()'s offset (of the scale's dtype {scale.dtype})",
+        )
+        if tuple(offset.shape) != (rows, groups):
+            raise ValueError(f"offset has shape {tuple(offset.shape)}, expected {(rows, groups)}")
     if zero_point is not None:
         zero_point = _check_cpu_tensor(
             "zero_point", zero_point, {torch.int8: None},
@@ -1161,18 +1279,22 @@ def dequantize(
         out = torch.empty((rows, cols), dtype=dtype)
     else:
         out = _check_out_tensor("out", out, dtype, (rows, cols))
-        for name, t in (("q", q), ("scale", scale), ("zero_point", zero_point)):
+        for name, t in (("q", q), ("scale", scale), ("zero_point", zero_point),
+                        ("offset", offset)):
             if t is not None and _shares_memory(out, t):
                 raise ValueError(f"out shares memory with {name}; pass a separate output tensor")
     _check_host_memory(
         {"out": None if result is None else out},
-        {"q": q, "scale": scale, "zero_point": zero_point},
+        {"q": q, "scale": scale, "zero_point": zero_point, "offset": offset},
     )
 
-    # q, scale, zero_point and out stay referenced by this frame until the call returns.
-    status = lib.axl_dequantize(
-        q.data_ptr(), scale.data_ptr(), _SCALE_DTYPES[scale.dtype],
-        None if zero_point is None else zero_point.data_ptr(), rows, cols, bits, block,
+    scheme = (_Q_OFFSET if offset is not None else _Q_ZERO_POINT if zero_point is not None
+              else _Q_SYMMETRIC)
+    spec = _QSpec(bits, scheme, block, _SCALE_DTYPES[scale.dtype], 0, None)
+    # q, scale, zero_point, offset and out stay referenced by this frame until the call returns.
+    status = lib.axl_dequantize_spec(
+        q.data_ptr(), scale.data_ptr(), None if zero_point is None else zero_point.data_ptr(),
+        None if offset is None else offset.data_ptr(), rows, cols, ctypes.byref(spec),
         out.data_ptr(), _CONVERT_DTYPES[dtype], threads, isa_code,
     )
     _check_status(

@@ -19,6 +19,12 @@ alike.
 GB/s counts bytes read + bytes written: the weight read; q, scales (+ zero points) (+ max_err
 and sqnr_db) written; the copy reads and writes the weight's bytes. Goals: C >= 70% of the
 copy's GB/s at the same thread count, and >= 10x the torch quantizer's (same scale dtype).
+
+Then the error-minimising search (issue 14; _native.quantize(..., search=True)) beside the
+plain absmax / min-max path on one shape (--search-shape, default 4096x4096 bf16), in the
+llama.cpp-like formats int4 block-32 symmetric (Q4_0), int4 block-32 offset (Q4_1) and int8
+block-32 symmetric (Q8_0), bf16 scales, per thread and on all threads, with the mean squared
+error of each against the float weight. Goal: the search >= 1 GB/s per thread (same GB/s).
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ from tests.reference_quant import (  # noqa: E402
 )
 
 SHAPES = [(8192, 8192), (4096, 14336)]
+SEARCH_FORMATS = [  # label, quantize() keywords
+    ("int4 block-32 sym (Q4_0-like)", dict(bits=4, symmetric=True, block_size=32)),
+    ("int4 block-32 offset (Q4_1-like)", dict(bits=4, symmetric=False, offset=True, block_size=32)),
+    ("int8 block-32 sym (Q8_0-like)", dict(bits=8, symmetric=True, block_size=32)),
+]
+SEARCH_GOAL = 1.0  # GB/s per thread with the search on
 FORMATS = [  # label, bits, symmetric, block_size
     ("int8 per-channel sym", 8, True, -1),
     ("int4 block-64 asym", 4, False, 64),
@@ -118,7 +130,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="timed runs of copy and C (best kept)")
     ap.add_argument("--torch-repeats", type=int, default=2, help="timed runs of the torch quantizer")
     ap.add_argument("--threads", default="1,0", help="comma-separated thread counts (0 = all CPUs)")
+    ap.add_argument("--search-shape", default="4096x4096", help="rows x cols of the search section")
+    ap.add_argument("--only-search", action="store_true", help="run the search section alone")
     args = ap.parse_args()
+    search_shape = tuple(int(v) for v in args.search_shape.split("x"))
     thread_counts = [int(t) for t in args.threads.split(",")]
     torch_threads_before = torch.get_num_threads()
 
@@ -127,7 +142,7 @@ def main() -> None:
     print("copy = _native.convert bf16 -> bf16 (the C core's memcpy path, same thread count)")
     print("GB/s = (bytes read + bytes written) / best time\n")
     verdicts = []
-    for rows, cols in SHAPES:
+    for rows, cols in [] if args.only_search else SHAPES:
         w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
         for _, bits, symmetric, block_size in FORMATS:
             for scale_dtype in SCALE_DTYPES.values():
@@ -190,11 +205,51 @@ def main() -> None:
             print()
     torch.set_num_threads(torch_threads_before)
 
-    print(f"goals: C >= {COPY_GOAL:.0%} of copy GB/s at equal threads, C >= {TORCH_GOAL:.0f}x torch")
+    if verdicts:
+        print(f"goals: C >= {COPY_GOAL:.0%} of copy GB/s at equal threads, C >= "
+              f"{TORCH_GOAL:.0f}x torch")
     for name, vs_copy, vs_torch in verdicts:
         ok_copy, ok_torch = vs_copy >= COPY_GOAL, vs_torch >= TORCH_GOAL
         print(f"  {name:53s} copy {'met' if ok_copy else 'NOT met':7s} ({vs_copy:6.1%})   "
               f"torch {'met' if ok_torch else 'NOT met':7s} ({vs_torch:5.1f}x)")
+    print()
+    search_section(search_shape, thread_counts, max(2, args.repeats // 2))
+
+
+def search_section(shape: tuple[int, int], thread_counts: list[int], repeats: int) -> None:
+    """The search beside the plain path: GB/s (read + written) and the error it buys."""
+    rows, cols = shape
+    w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    w_bytes = w.numel() * w.element_size()
+    print(f"search: {rows}x{cols} bf16, bf16 scales; GB/s = (bytes read + written) / best time")
+    verdicts = []
+    for label, kw in SEARCH_FORMATS:
+        kw = dict(kw, scale_dtype=torch.bfloat16)
+        errors = {}
+        for search in (False, True):
+            r = _native.quantize(w, search=search, **kw)
+            y = _native.dequantize(r.q, r.scale, r.zero_point, bits=kw["bits"], cols=cols,
+                                   block_size=kw["block_size"], offset=r.offset)
+            errors[search] = float((w.double() - y.double()).pow(2).mean())
+            out_bytes = sum(t.numel() * t.element_size() for t in r if t is not None)
+        for nthreads in thread_counts:
+            n = nthreads or _native.num_cpus()
+            times = {False: float("inf"), True: float("inf")}
+            for _ in range(repeats):  # interleaved
+                for search in (False, True):
+                    times[search] = min(times[search], _best(
+                        lambda: _native.quantize(w, search=search, nthreads=nthreads, **kw), 1))
+            gbs = {k: (w_bytes + out_bytes) / t / 1e9 for k, t in times.items()}
+            print(f"  {label:34s} {n} thread{'s' if n > 1 else ' '}: plain {gbs[False]:6.2f} GB/s, "
+                  f"search {gbs[True]:6.2f} GB/s ({gbs[True] / n:5.2f} per thread, "
+                  f"{times[True] / times[False]:5.1f}x the time); MSE plain {errors[False]:.4g}, "
+                  f"search {errors[True]:.4g} ({errors[True] / errors[False]:.3f}x)")
+            verdicts.append((f"{label} {n}t", gbs[True] / n))
+    print(f"goal: search >= {SEARCH_GOAL:.1f} GB/s per thread")
+    for name, per_thread in verdicts:
+        ok = per_thread >= SEARCH_GOAL
+        print(f"  {name:40s} {'met' if ok else 'NOT met':7s} ({per_thread:.2f} GB/s per thread"
+              f"{'' if ok else f', {SEARCH_GOAL / per_thread:.1f}x short'})")
 
 
 if __name__ == "__main__":

@@ -454,6 +454,51 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                              dst_dtype, nthreads);
     }
 
+    /* The search (and the offset scheme): every ISA and a threaded run as the scalar one,
+     * status, bad_row and bytes (autoxla.h, axl_quantize_spec). */
+    if (!mask && !empty && (base & 0x80)) {
+        const int scheme = s.symmetric ? AXL_Q_SYMMETRIC : (base & 0x40) ? AXL_Q_OFFSET : AXL_Q_ZERO_POINT;
+        float *imp = NULL;
+        if (base & 0x20) {
+            imp = xmalloc((size_t)s.cols * 4);
+            for (int64_t k = 0; k < s.cols; k++) imp[k] = (float)(stream_byte(in.p, in.n, (size_t)k) % 17) * 0.25f;
+        }
+        const axl_qspec spec = {s.bits, scheme, s.block, s.scale_dtype, 1, imp};
+        quant_out ref;
+        alloc_out(&ref, &s, 1, 3, 1);
+        uint8_t *ref_off = xmalloc(s.scale_bytes);
+        int8_t *zp_arg = scheme == AXL_Q_ZERO_POINT ? ref.zp : NULL;
+        int rst = axl_quantize_spec(w, s.src_dtype, s.rows, s.cols, &spec, ref.q, ref.scales, zp_arg,
+                                    ref_off, ref.max_err, ref.sqnr, ref.bad_row, 1, AXL_ISA_SCALAR);
+        if (rst != AXL_OK && rst != AXL_ERR_NON_FINITE) fail("axl_quantize_spec: status %d", rst);
+        for (int i = AXL_ISA_SCALAR; i <= AXL_ISA_COUNT; i++) {
+            int visa = i == AXL_ISA_COUNT ? AXL_ISA_SCALAR : i;
+            if (!isa_available(visa)) continue;
+            quant_out v;
+            alloc_out(&v, &s, 1, 3, 1);
+            uint8_t *v_off = xmalloc(s.scale_bytes);
+            int vst = axl_quantize_spec(w, s.src_dtype, s.rows, s.cols, &spec, v.q, v.scales,
+                                        scheme == AXL_Q_ZERO_POINT ? v.zp : NULL, v_off, v.max_err,
+                                        v.sqnr, v.bad_row, i == AXL_ISA_COUNT ? 3 : 1, visa);
+            if (vst != rst || *v.bad_row != *ref.bad_row)
+                fail("search on %s: status %d bad_row %lld, scalar %d %lld", axl_isa_name(visa), vst,
+                     (long long)*v.bad_row, rst, (long long)*ref.bad_row);
+            if (rst == AXL_OK) {
+                same_bytes("search q", visa, v.q, ref.q, s.q_bytes);
+                same_bytes("search scales", visa, v.scales, ref.scales, s.scale_bytes);
+                if (zp_arg) same_bytes("search zero_points", visa, v.zp, ref.zp, s.zp_bytes);
+                if (scheme == AXL_Q_OFFSET) same_bytes("search offsets", visa, v_off, ref_off, s.scale_bytes);
+                same_bytes("search max_err", visa, v.max_err, ref.max_err, (size_t)s.rows * 4);
+                same_bytes("search sqnr_db", visa, v.sqnr, ref.sqnr, (size_t)s.rows * 4);
+            }
+            free(v_off);
+            free_out(&v);
+        }
+        free(ref_off);
+        free_out(&ref);
+        free(imp);
+    }
+
     /* Dequantize arbitrary bytes: q, scales and zero points straight from the input. */
     if (fault == F_NONE && !empty && (extra & 6) == 6) {
         uint8_t *rq = xmalloc(s.q_bytes), *rs = xmalloc(s.scale_bytes);

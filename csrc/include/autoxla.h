@@ -21,7 +21,7 @@ extern "C" {
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
  * _native.py refuses a library whose axl_abi_version() differs from its own. */
-#define AXL_ABI_VERSION 6
+#define AXL_ABI_VERSION 7
 
 /* Threads a single call may use; larger requests are clamped to this. */
 #define AXL_MAX_THREADS 256
@@ -44,6 +44,7 @@ typedef enum axl_status {
     AXL_ERR_IO = 10,             /* a file cannot be opened or read, or ends too early */
     AXL_ERR_BAD_FORMAT = 11,     /* quantization format: bits not 4 or 8, symmetric not 0/1 */
     AXL_ERR_BAD_HEADER = 12,     /* invalid safetensors header; axl_st_error says what and where */
+    AXL_ERR_BAD_VALUE = 13,      /* an importance weight is negative, NaN or Inf */
     AXL_STATUS_COUNT             /* number of codes above; not a status */
 } axl_status;
 
@@ -282,6 +283,74 @@ AXL_API int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t col
 AXL_API int axl_dequantize(const void *q, const void *scales, int scale_dtype,
                            const int8_t *zero_points, int64_t rows, int64_t cols, int bits,
                            int64_t block_size, void *out, int dst_dtype, int nthreads, int isa);
+
+/* ---- quantization formats and the error-minimising search ------------------------------
+ * axl_quantize_spec / axl_dequantize_spec take the format as one axl_qspec, with a third
+ * scheme and an optional search; axl_quantize / axl_dequantize above are the same calls with
+ * scheme = symmetric ? AXL_Q_SYMMETRIC : AXL_Q_ZERO_POINT, search 0, importance NULL.
+ *
+ * AXL_Q_OFFSET (as llama.cpp's Q4_1 / Q8_1 ideas): y = (float)q * scale + offset, q in
+ * [qmin, qmax] (full two's complement range), one offset per block of scale_dtype in
+ * `offsets` (rows, G), no zero points. Without the search: lo = min(block), hi = max(block)
+ * (0 not included); scale = (hi - lo) / (qmax - qmin) rounded UP to scale_dtype (as above; fp16
+ * beyond 65504 refuses the row); offset = lo - (float)qmin * scale in fp32, rounded to NEAREST
+ * (even) scale_dtype (fp16 beyond 65504 refuses the row); inv = 1 / scale;
+ * q = clamp(nearbyint((x - offset) * inv), qmin, qmax). A block whose scale is 0 or whose inv
+ * overflows (a constant block) stores scale 0 and q 0, so y = offset. Every element of a kept
+ * block is within scale / 2 + |offset rounding| (plus fp32 rounding) of y.
+ * dequantized (offset): y = (float)q * scale + offset in fp32 (no FMA).
+ *
+ * search = 1: per block, a fixed set of candidate (inverse scale, level shift, zero point)
+ * triples, computed by one scalar routine on every ISA from the block's range, each giving
+ * levels L = clamp(nearbyint((x - a) * inv) + zp, qmin, qmax) with qmin = -qmax - 1 for every
+ * scheme (a symmetric block may then use -8 / -128 and store a negative scale); for each,
+ * the least-squares scale (and offset, AXL_Q_OFFSET) of those levels under the importance
+ * weights, rounded to NEAREST scale_dtype; the candidate with the lowest weighted squared
+ * error (ranked from float sums in 16 lanes, position in block % 16) is then measured
+ * exactly, sum imp[k] * ((double)x - (double)y)^2 in 16 double lanes, against the plain
+ * (absmax / min-max) result, and kept only if below (1 - 2^-30) times the plain one's error,
+ * so a searched block is never worse than the plain one in float64 whatever the summation
+ * order (for blocks below 2^21 elements); ties and near-ties keep the plain result, bit for
+ * bit. Searched blocks have no half-step bound (clipping outliers is the point). The
+ * candidates, documented in csrc/src/quant_search.c, and every result are the same on every
+ * ISA and thread count.
+ * importance: NULL (every weight 1) or cols floats, one per input column (e.g. the mean
+ * squared activation from calibration), each finite and >= 0 (else AXL_ERR_BAD_VALUE,
+ * checked before any work); only the search reads it.
+ *
+ * Argument rules are those of axl_quantize, with: spec NULL (AXL_ERR_NULL_POINTER); bits,
+ * scheme or search (0/1) out of range (AXL_ERR_BAD_FORMAT); zero_points required with
+ * AXL_Q_ZERO_POINT (else may be NULL; filled with 0 when given and symmetric; must be NULL
+ * for AXL_Q_OFFSET), offsets required with AXL_Q_OFFSET (else ignored, not written);
+ * offsets aligned to the scale dtype and not overlapping any other buffer. */
+typedef enum axl_qscheme {
+    AXL_Q_SYMMETRIC = 0,  /* y = q * scale, q in [-qmax, qmax] (search: [qmin, qmax]) */
+    AXL_Q_ZERO_POINT = 1, /* y = (q - zp) * scale, int8 zp per block */
+    AXL_Q_OFFSET = 2,     /* y = q * scale + offset, offset of scale_dtype per block */
+    AXL_Q_SCHEME_COUNT
+} axl_qscheme;
+
+typedef struct axl_qspec {
+    int32_t bits;             /* 4 or 8 */
+    int32_t scheme;           /* an axl_qscheme */
+    int64_t block_size;       /* as for axl_quantize */
+    int32_t scale_dtype;      /* AXL_F32, AXL_BF16 or AXL_F16 (scales and offsets) */
+    int32_t search;           /* 0: absmax / min-max; 1: the error-minimising search */
+    const float *importance;  /* NULL, or cols weights (search only) */
+} axl_qspec;
+
+AXL_API int axl_quantize_spec(const void *w, int src_dtype, int64_t rows, int64_t cols,
+                              const axl_qspec *spec, void *q, void *scales, int8_t *zero_points,
+                              void *offsets, float *max_err, float *sqnr_db, int64_t *bad_row,
+                              int nthreads, int isa);
+
+/* The inverse for any scheme: y = (float)(q - zp) * scale (zero_points NULL: zp 0), or, for
+ * AXL_Q_OFFSET, (float)q * scale + offset; then converted to dst_dtype as axl_dequantize
+ * does. spec->search and spec->importance are ignored. */
+AXL_API int axl_dequantize_spec(const void *q, const void *scales, const int8_t *zero_points,
+                                const void *offsets, int64_t rows, int64_t cols,
+                                const axl_qspec *spec, void *out, int dst_dtype, int nthreads,
+                                int isa);
 
 /* ---- safetensors headers ---------------------------------------------------------------
  * A .safetensors file is: an 8-byte little-endian length n, n bytes of JSON (the header),

@@ -18,6 +18,7 @@ const char *axl_strerror(int code) {
         return "unsupported quantization format (bits must be 4 or 8, symmetric 0 or 1)";
     case AXL_ERR_BAD_HEADER:
         return "invalid safetensors header (axl_st_error says what and where)";
+    case AXL_ERR_BAD_VALUE: return "an importance weight is negative, NaN or Inf";
     default: return "unknown status code";
     }
 }

@@ -76,6 +76,9 @@ typedef struct axl_qformat {
     int symmetric;  /* 1: q in [-qmax, qmax], zero point 0; 0: q in [qmin, qmax] */
     int stream;     /* 1: q is large; a kernel may write it with non-temporal stores */
     int scale_dtype; /* AXL_F32, AXL_BF16 or AXL_F16: how scales are stored (and rounded) */
+    int scheme;      /* an axl_qscheme (symmetric == (scheme == AXL_Q_SYMMETRIC)) */
+    int search;      /* 1: the error-minimising search (quant_search.c) */
+    const float *importance; /* (cols,) weights of the search, or NULL for all 1 */
 } axl_qformat;
 
 /* Outputs q of at least this many bytes are written past the caches (where a kernel can):
@@ -163,6 +166,51 @@ void axl_dequant_row_ref_any(const void *q, const void *scales, const int8_t *zp
 int axl_quant_block_ref(const void *w, int src_dtype, const axl_qformat *f, int64_t g, void *q,
                         void *scales, int8_t *zp, double *signal, double *noise,
                         double *max_abs_err);
+
+/* ---- the search and the offset scheme (quant_search.c) ---------------------------------
+ * One candidate of a block: levels L = clamp(nearbyint((x - a) * inv) + zp, lo_q, hi_q),
+ * d = L - zp, dequantized y = (float)d * scale (+ b when the scheme has an offset). */
+typedef struct axl_qcand {
+    float inv, a, scale, b;
+    int32_t zp;
+} axl_qcand;
+
+/* The inner loops of the search, per ISA, over elements [k0, k1) of a row (imp: the row's
+ * importance, NULL = all 1; every variant equal to the _ref one bit for bit):
+ *   sums, for n <= AXL_QCANDS candidates c[i] with clamp ranges [lo_q[i], hi_q[i]]: out[0][i]
+ *     = sum (imp * x) * d, out[1][i] = sum imp * (d * d), out[2][i] = sum imp * d, each in
+ *     fp32 in element order (no FMA), d = L - zp as float (the vector kernel runs the
+ *     candidates side by side, one per lane);
+ *   error: lanes[p % 16] += (double)imp * (e * e) for the element at position p of the
+ *     block, e = (double)x - (double)y, in double, each lane in element order. */
+#define AXL_QCANDS 16
+typedef void (*axl_qsums_fn)(const void *w, int src_dtype, const float *imp, int64_t k0,
+                             int64_t k1, const axl_qcand *c, const int32_t *lo_q,
+                             const int32_t *hi_q, int n, float out[3][AXL_QCANDS]);
+typedef void (*axl_qerror_fn)(const void *w, int src_dtype, const float *imp, int64_t k0,
+                              int64_t k1, const axl_qcand *c, int32_t lo_q, int32_t hi_q,
+                              int offset, double lanes[AXL_QLANES]);
+
+typedef struct axl_qsearch_ops {
+    axl_qsums_fn sums;
+    axl_qerror_fn error;
+} axl_qsearch_ops;
+
+extern const axl_qsearch_ops axl_qsearch_ref;
+#if AXL_X86
+extern const axl_qsearch_ops axl_qsearch_avx512;
+#endif
+
+/* One row with f->search or the offset scheme: every block through the scalar set-up and
+ * candidate choice of quant_search.c, the ISA's inner loops `ops`. As axl_quant_row_fn,
+ * plus offsets (groups,) of f->scale_dtype for AXL_Q_OFFSET. */
+int axl_quant_row_search(const void *w, int src_dtype, const axl_qformat *f, void *q,
+                         void *scales, int8_t *zp, void *offsets, float *max_err,
+                         float *sqnr_db, const axl_qsearch_ops *ops);
+
+/* One row of the offset scheme back: y = (float)q * scale + offset. */
+void axl_dequant_row_offset(const void *q, const void *scales, const void *offsets,
+                            const axl_qformat *f, void *out, int dst_dtype);
 
 static inline float axl_f32_from_bits(uint32_t b) {
     float f;

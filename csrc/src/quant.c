@@ -1,5 +1,6 @@
 /* quant.c - axl_quantize and axl_dequantize: argument checks, kernel choice, the FP
  * environment, and rows split evenly over threads. */
+#include <float.h>
 #include <stdatomic.h>
 
 #include "internal.h"
@@ -34,6 +35,15 @@ static const axl_quant_row_fn quant_kernels[AXL_ISA_COUNT][3] = {
 #if AXL_X86
     [AXL_ISA_AVX2] = FLOAT_TABLE(quant, avx2),
     [AXL_ISA_AVX512] = FLOAT_TABLE(quant, avx512),
+#endif
+};
+
+/* [isa]: the search's inner loops (AVX2 runs the reference's). */
+static const axl_qsearch_ops *const search_ops[AXL_ISA_COUNT] = {
+    [AXL_ISA_SCALAR] = &axl_qsearch_ref,
+#if AXL_X86
+    [AXL_ISA_AVX2] = &axl_qsearch_ref,
+    [AXL_ISA_AVX512] = &axl_qsearch_avx512,
 #endif
 };
 
@@ -146,6 +156,9 @@ typedef struct quant_job {
     char *scales;
     size_t scales_row; /* bytes per row of scales */
     int8_t *zp;
+    char *offsets; /* AXL_Q_OFFSET only; scales_row bytes per row */
+    const axl_qsearch_ops *search; /* the search / offset path (quant_search.c), or NULL */
+    int src_dtype;
     float *max_err, *sqnr_db;
     atomic_int_fast64_t bad_row; /* lowest row found non-finite so far; rows if none */
 } quant_job;
@@ -160,11 +173,16 @@ static void quant_worker(void *arg, int64_t begin, int64_t end) {
     for (int64_t r = r0; r < r1; r++) {
         /* A lower row already failed: this worker's rows cannot be the lowest. */
         if (r > atomic_load_explicit(&job->bad_row, memory_order_relaxed)) break;
-        int bad = job->fn(job->w + (size_t)r * job->w_row, &job->fmt,
-                          job->q + (size_t)r * job->q_row,
-                          job->scales + (size_t)r * job->scales_row,
-                          job->zp ? job->zp + r * g : NULL, job->max_err ? job->max_err + r : NULL,
-                          job->sqnr_db ? job->sqnr_db + r : NULL);
+        const char *w = job->w + (size_t)r * job->w_row;
+        char *q = job->q + (size_t)r * job->q_row, *sc = job->scales + (size_t)r * job->scales_row;
+        int8_t *zp = job->zp ? job->zp + r * g : NULL;
+        float *me = job->max_err ? job->max_err + r : NULL, *sq = job->sqnr_db ? job->sqnr_db + r : NULL;
+        int bad = job->search
+                      ? axl_quant_row_search(w, job->src_dtype, &job->fmt, q, sc, zp,
+                                             job->offsets ? job->offsets + (size_t)r * job->scales_row
+                                                          : NULL,
+                                             me, sq, job->search)
+                      : job->fn(w, &job->fmt, q, sc, zp, me, sq);
         if (bad) {
             int_fast64_t seen = atomic_load(&job->bad_row);
             while (r < seen && !atomic_compare_exchange_weak(&job->bad_row, &seen, r)) {
@@ -175,15 +193,21 @@ static void quant_worker(void *arg, int64_t begin, int64_t end) {
     fp_leave(env);
 }
 
-int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int bits,
-                 int symmetric, int64_t block_size, void *q, void *scales, int scale_dtype,
-                 int8_t *zero_points, float *max_err, float *sqnr_db, int64_t *bad_row,
-                 int nthreads, int isa) {
+int axl_quantize_spec(const void *w, int src_dtype, int64_t rows, int64_t cols,
+                      const axl_qspec *spec, void *q, void *scales, int8_t *zero_points,
+                      void *offsets, float *max_err, float *sqnr_db, int64_t *bad_row,
+                      int nthreads, int isa) {
+    if (!spec) return AXL_ERR_NULL_POINTER;
+    const int bits = spec->bits, scheme = spec->scheme, scale_dtype = spec->scale_dtype;
+    const int symmetric = scheme == AXL_Q_SYMMETRIC;
+    int64_t block_size = spec->block_size;
     if (!is_float_dtype(src_dtype) || !is_scale_dtype(scale_dtype)) return AXL_ERR_BAD_DTYPE;
     int64_t numel = 0, groups = 0;
     int status = check_sizes(rows, cols, &numel);
     if (status != AXL_OK) return status;
-    if ((bits != 4 && bits != 8) || (symmetric != 0 && symmetric != 1)) return AXL_ERR_BAD_FORMAT;
+    if ((bits != 4 && bits != 8) || scheme < 0 || scheme >= AXL_Q_SCHEME_COUNT ||
+        (spec->search != 0 && spec->search != 1))
+        return AXL_ERR_BAD_FORMAT;
     status = check_block(cols, &block_size, &groups);
     if (status != AXL_OK) return status;
     if (nthreads < 0) return AXL_ERR_BAD_THREADS;
@@ -194,32 +218,44 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
         if (bad_row) *bad_row = -1;
         return AXL_OK;
     }
-    if (!w || !q || !scales || (!symmetric && !zero_points)) return AXL_ERR_NULL_POINTER;
+    const int offset = scheme == AXL_Q_OFFSET;
+    if (!w || !q || !scales || (scheme == AXL_Q_ZERO_POINT && !zero_points) ||
+        (offset && !offsets))
+        return AXL_ERR_NULL_POINTER;
+    if (offset && zero_points) return AXL_ERR_BAD_FORMAT; /* no zero points in this scheme */
+    const float *importance = spec->search ? spec->importance : NULL;
 
     size_t ws = axl_dtype_size(src_dtype), ss = axl_dtype_size(scale_dtype);
-    if (misaligned(w, ws) || misaligned(scales, ss) ||
-        misaligned(max_err, sizeof(float)) || misaligned(sqnr_db, sizeof(float)))
+    if (misaligned(w, ws) || misaligned(scales, ss) || (offset && misaligned(offsets, ss)) ||
+        misaligned(max_err, sizeof(float)) || misaligned(sqnr_db, sizeof(float)) ||
+        misaligned(importance, sizeof(float)))
         return AXL_ERR_MISALIGNED;
     /* numel <= MAX_ELEMENTS: none of these byte counts overflows. */
     const uint64_t q_row = bits == 8 ? (uint64_t)cols : ((uint64_t)cols + 1) / 2;
     const span spans[] = {
         span_of(w, (uint64_t)numel * ws),
+        span_of(importance, (uint64_t)cols * sizeof(float)),
         span_of(q, (uint64_t)rows * q_row),
         span_of(scales, (uint64_t)rows * (uint64_t)groups * ss),
         span_of(zero_points, (uint64_t)rows * (uint64_t)groups),
+        span_of(offset ? offsets : NULL, (uint64_t)rows * (uint64_t)groups * ss),
         span_of(max_err, (uint64_t)rows * sizeof(float)),
         span_of(sqnr_db, (uint64_t)rows * sizeof(float)),
         span_of(bad_row, sizeof *bad_row),
     };
     const int nspans = (int)(sizeof spans / sizeof *spans);
-    for (int i = 0; i < nspans; i++) /* every buffer but w is written */
-        for (int j = i + 1; j < nspans; j++)
-            if (spans_overlap(spans[i], spans[j])) return AXL_ERR_OVERLAP;
+    for (int i = 2; i < nspans; i++) /* every buffer but w and importance is written */
+        for (int j = 0; j < nspans; j++)
+            if (i != j && spans_overlap(spans[i], spans[j])) return AXL_ERR_OVERLAP;
+    if (importance)
+        for (int64_t k = 0; k < cols; k++)
+            if (!(importance[k] >= 0 && importance[k] <= FLT_MAX)) return AXL_ERR_BAD_VALUE;
 
     quant_job job = {
         .fn = quant_kernels[isa][src_dtype],
         .fmt = {cols, block_size, groups, bits, symmetric,
-                (int64_t)(rows * q_row) >= AXL_STREAM_MIN_BYTES, scale_dtype},
+                (int64_t)(rows * q_row) >= AXL_STREAM_MIN_BYTES, scale_dtype, scheme,
+                spec->search, importance},
         .rows = rows,
         .workers = worker_count(nthreads, rows, numel),
         .w = w,
@@ -229,6 +265,9 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
         .scales = scales,
         .scales_row = (size_t)groups * ss,
         .zp = zero_points,
+        .offsets = offset ? offsets : NULL,
+        .search = spec->search || offset ? search_ops[isa] : NULL,
+        .src_dtype = src_dtype,
         .max_err = max_err,
         .sqnr_db = sqnr_db,
     };
@@ -245,6 +284,17 @@ int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int b
     return AXL_OK;
 }
 
+int axl_quantize(const void *w, int src_dtype, int64_t rows, int64_t cols, int bits,
+                 int symmetric, int64_t block_size, void *q, void *scales, int scale_dtype,
+                 int8_t *zero_points, float *max_err, float *sqnr_db, int64_t *bad_row,
+                 int nthreads, int isa) {
+    /* symmetric outside 0/1 is a bad format; scheme -1 says so in the checks' order. */
+    const axl_qspec spec = {bits, symmetric == 1 ? AXL_Q_SYMMETRIC : symmetric == 0 ? AXL_Q_ZERO_POINT : -1,
+                            block_size, scale_dtype, 0, NULL};
+    return axl_quantize_spec(w, src_dtype, rows, cols, &spec, q, scales, zero_points, NULL,
+                             max_err, sqnr_db, bad_row, nthreads, isa);
+}
+
 /* ---- axl_dequantize ---------------------------------------------------------------------- */
 
 typedef struct dequant_job {
@@ -255,8 +305,10 @@ typedef struct dequant_job {
     const char *q;
     size_t q_row;
     const char *scales;
-    size_t scales_row; /* bytes per row of scales */
+    size_t scales_row; /* bytes per row of scales (and of offsets) */
     const int8_t *zp;
+    const char *offsets; /* AXL_Q_OFFSET: y = q * scale + offset (scalar on every ISA) */
+    int dst_dtype;
     char *out;
     size_t out_row; /* bytes per row of out */
 } dequant_job;
@@ -268,40 +320,56 @@ static void dequant_worker(void *arg, int64_t begin, int64_t end) {
     worker_rows(job->rows, job->workers, begin / WORKER_SPAN, &r0, &r1);
     const int64_t g = job->fmt.groups;
     fp_env env = fp_enter();
-    for (int64_t r = r0; r < r1; r++)
-        job->fn(job->q + (size_t)r * job->q_row, job->scales + (size_t)r * job->scales_row,
-                job->zp ? job->zp + r * g : NULL, &job->fmt, job->out + (size_t)r * job->out_row);
+    for (int64_t r = r0; r < r1; r++) {
+        const char *q = job->q + (size_t)r * job->q_row;
+        const char *sc = job->scales + (size_t)r * job->scales_row;
+        char *out = job->out + (size_t)r * job->out_row;
+        if (job->offsets)
+            axl_dequant_row_offset(q, sc, job->offsets + (size_t)r * job->scales_row, &job->fmt,
+                                   out, job->dst_dtype);
+        else
+            job->fn(q, sc, job->zp ? job->zp + r * g : NULL, &job->fmt, out);
+    }
     fp_leave(env);
 }
 
-int axl_dequantize(const void *q, const void *scales, int scale_dtype, const int8_t *zero_points,
-                   int64_t rows, int64_t cols, int bits, int64_t block_size, void *out,
-                   int dst_dtype, int nthreads, int isa) {
+int axl_dequantize_spec(const void *q, const void *scales, const int8_t *zero_points,
+                        const void *offsets, int64_t rows, int64_t cols, const axl_qspec *spec,
+                        void *out, int dst_dtype, int nthreads, int isa) {
+    if (!spec) return AXL_ERR_NULL_POINTER;
+    const int bits = spec->bits, scale_dtype = spec->scale_dtype, scheme = spec->scheme;
+    int64_t block_size = spec->block_size;
     if (!is_float_dtype(dst_dtype) || !is_scale_dtype(scale_dtype)) return AXL_ERR_BAD_DTYPE;
     int64_t numel = 0, groups = 0;
     int status = check_sizes(rows, cols, &numel);
     if (status != AXL_OK) return status;
-    if (bits != 4 && bits != 8) return AXL_ERR_BAD_FORMAT;
+    if ((bits != 4 && bits != 8) || scheme < 0 || scheme >= AXL_Q_SCHEME_COUNT)
+        return AXL_ERR_BAD_FORMAT;
     status = check_block(cols, &block_size, &groups);
     if (status != AXL_OK) return status;
     if (nthreads < 0) return AXL_ERR_BAD_THREADS;
     status = axl_resolve_isa(isa, &isa);
     if (status != AXL_OK) return status;
     if (numel == 0) return AXL_OK;
-    if (!q || !scales || !out) return AXL_ERR_NULL_POINTER;
+    const int offset = scheme == AXL_Q_OFFSET;
+    if (!q || !scales || !out || (offset && !offsets)) return AXL_ERR_NULL_POINTER;
+    if (offset) zero_points = NULL;
 
     size_t os = axl_dtype_size(dst_dtype), ss = axl_dtype_size(scale_dtype);
-    if (misaligned(scales, ss) || misaligned(out, os)) return AXL_ERR_MISALIGNED;
+    if (misaligned(scales, ss) || misaligned(out, os) || (offset && misaligned(offsets, ss)))
+        return AXL_ERR_MISALIGNED;
     const uint64_t q_row = bits == 8 ? (uint64_t)cols : ((uint64_t)cols + 1) / 2;
     const span o = span_of(out, (uint64_t)numel * os);
     if (spans_overlap(o, span_of(q, (uint64_t)rows * q_row)) ||
         spans_overlap(o, span_of(scales, (uint64_t)rows * (uint64_t)groups * ss)) ||
-        spans_overlap(o, span_of(zero_points, (uint64_t)rows * (uint64_t)groups)))
+        spans_overlap(o, span_of(zero_points, (uint64_t)rows * (uint64_t)groups)) ||
+        spans_overlap(o, span_of(offset ? offsets : NULL, (uint64_t)rows * (uint64_t)groups * ss)))
         return AXL_ERR_OVERLAP;
 
     dequant_job job = {
         .fn = dequant_kernels[isa][dst_dtype],
-        .fmt = {cols, block_size, groups, bits, zero_points == NULL, 0, scale_dtype},
+        .fmt = {cols, block_size, groups, bits, zero_points == NULL, 0, scale_dtype, scheme, 0,
+                NULL},
         .rows = rows,
         .workers = worker_count(nthreads, rows, numel),
         .q = q,
@@ -309,9 +377,20 @@ int axl_dequantize(const void *q, const void *scales, int scale_dtype, const int
         .scales = scales,
         .scales_row = (size_t)groups * ss,
         .zp = zero_points,
+        .offsets = offset ? offsets : NULL,
+        .dst_dtype = dst_dtype,
         .out = out,
         .out_row = (size_t)cols * os,
     };
     return axl_parallel_for((int64_t)job.workers * WORKER_SPAN, job.workers, WORKER_SPAN,
                             dequant_worker, &job);
+}
+
+int axl_dequantize(const void *q, const void *scales, int scale_dtype, const int8_t *zero_points,
+                   int64_t rows, int64_t cols, int bits, int64_t block_size, void *out,
+                   int dst_dtype, int nthreads, int isa) {
+    const axl_qspec spec = {bits, zero_points ? AXL_Q_ZERO_POINT : AXL_Q_SYMMETRIC, block_size,
+                            scale_dtype, 0, NULL};
+    return axl_dequantize_spec(q, scales, zero_points, NULL, rows, cols, &spec, out, dst_dtype,
+                               nthreads, isa);
 }

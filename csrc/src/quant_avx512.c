@@ -752,6 +752,109 @@ AXL_AVX512 INLINE void dequant_row(const void *q, const void *scales, const int8
     if (staged) flush_stage(stage, out, &staged_from, &staged, dst_dtype);
 }
 
+/* ---- the search's inner loops (quant_search.c; the semantics on axl_qsearch_ops) --------
+ * 16 elements per step from the block's start, lane j = position % 16, masked tails (masked
+ * lanes add nothing); the same fp32 / double operations in the same order as the reference. */
+
+AXL_AVX512 INLINE __m512i search_levels(__m512 x, const axl_qcand *c, __m512i lo_q, __m512i hi_q) {
+    __m512 t = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_set1_ps(c->a)), _mm512_set1_ps(c->inv));
+    __m512i v = _mm512_add_epi32(_mm512_cvt_roundps_epi32(t, RNE), _mm512_set1_epi32(c->zp));
+    return _mm512_min_epi32(_mm512_max_epi32(v, lo_q), hi_q);
+}
+
+/* The candidates side by side, one per lane (unused lanes compute harmless zeros): each
+ * lane's sums see the elements in order, as the reference's loop per candidate does. */
+AXL_AVX512 INLINE void search_sums_any(const void *w, int src_dtype, const float *imp, int64_t k0,
+                                       int64_t k1, const axl_qcand *c, const int32_t *lo_q,
+                                       const int32_t *hi_q, int n, float out[3][AXL_QCANDS]) {
+    float inv[AXL_QCANDS] = {0}, a[AXL_QCANDS] = {0};
+    int32_t zp[AXL_QCANDS] = {0}, lo[AXL_QCANDS] = {0}, hi[AXL_QCANDS] = {0};
+    for (int i = 0; i < n; i++) {
+        inv[i] = c[i].inv;
+        a[i] = c[i].a;
+        zp[i] = c[i].zp;
+        lo[i] = lo_q[i];
+        hi[i] = hi_q[i];
+    }
+    const __m512 inv_v = _mm512_loadu_ps(inv), a_v = _mm512_loadu_ps(a);
+    const __m512i zp_v = _mm512_loadu_si512(zp), lo_v = _mm512_loadu_si512(lo);
+    const __m512i hi_v = _mm512_loadu_si512(hi);
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0;
+    for (int64_t k = k0; k < k1; k++) {
+        const float x = src_dtype == AXL_F32    ? ((const float *)w)[k]
+                        : src_dtype == AXL_BF16 ? axl_f32_from_bits((uint32_t)((const uint16_t *)w)[k] << 16)
+                                                : axl_f32_from_bits(axl_f16_to_f32_bits(((const uint16_t *)w)[k]));
+        const float wt = imp ? imp[k] : 1.0f;
+        const __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_set1_ps(x), a_v), inv_v);
+        __m512i v = _mm512_add_epi32(_mm512_cvt_roundps_epi32(t, RNE), zp_v);
+        v = _mm512_min_epi32(_mm512_max_epi32(v, lo_v), hi_v);
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(v, zp_v)), wt_v = _mm512_set1_ps(wt);
+        s0 = _mm512_add_ps(s0, _mm512_mul_ps(_mm512_set1_ps(wt * x), d));
+        s1 = _mm512_add_ps(s1, _mm512_mul_ps(wt_v, _mm512_mul_ps(d, d)));
+        s2 = _mm512_add_ps(s2, _mm512_mul_ps(wt_v, d));
+    }
+    _mm512_storeu_ps(out[0], s0);
+    _mm512_storeu_ps(out[1], s1);
+    _mm512_storeu_ps(out[2], s2);
+}
+
+AXL_AVX512 INLINE void search_error_any(const void *w, int src_dtype, const float *imp,
+                                        int64_t k0, int64_t k1, const axl_qcand *c, int32_t lo_q,
+                                        int32_t hi_q, int offset, double lanes[AXL_QLANES]) {
+    __m512d e0 = _mm512_loadu_pd(lanes), e1 = _mm512_loadu_pd(lanes + 8);
+    const __m512i lo_v = _mm512_set1_epi32(lo_q), hi_v = _mm512_set1_epi32(hi_q);
+    const __m512i zp_v = _mm512_set1_epi32(c->zp);
+    const __m512 scale_v = _mm512_set1_ps(c->scale), b_v = _mm512_set1_ps(c->b);
+    for (int64_t k = k0; k < k1; k += 16) {
+        const __mmask16 m = first_lanes(k1 - k);
+        const __m512 x = load_x(w, src_dtype, k, m);
+        const __m512 wt = imp ? _mm512_maskz_loadu_ps(m, imp + k) : _mm512_set1_ps(1.0f);
+        __m512 y = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(search_levels(x, c, lo_v, hi_v), zp_v)), scale_v);
+        if (offset) y = _mm512_add_ps(y, b_v);
+        const __m512d d0 = _mm512_sub_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(x)),
+                                         _mm512_cvtps_pd(_mm512_castps512_ps256(y)));
+        const __m512d d1 = _mm512_sub_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1)),
+                                         _mm512_cvtps_pd(_mm512_extractf32x8_ps(y, 1)));
+        const __m512d t0 = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(wt)),
+                                         _mm512_mul_pd(d0, d0));
+        const __m512d t1 = _mm512_mul_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(wt, 1)),
+                                         _mm512_mul_pd(d1, d1));
+        e0 = _mm512_mask_add_pd(e0, (__mmask8)m, e0, t0);
+        e1 = _mm512_mask_add_pd(e1, (__mmask8)(m >> 8), e1, t1);
+    }
+    _mm512_storeu_pd(lanes, e0);
+    _mm512_storeu_pd(lanes + 8, e1);
+}
+
+/* One specialisation per source dtype. */
+#define SEARCH_BY_DTYPE(call)                   \
+    switch (src_dtype) {                        \
+    case AXL_F32: call(AXL_F32); break;         \
+    case AXL_BF16: call(AXL_BF16); break;       \
+    default: call(AXL_F16); break;              \
+    }
+
+AXL_AVX512 static void search_sums(const void *w, int src_dtype, const float *imp, int64_t k0,
+                                   int64_t k1, const axl_qcand *c, const int32_t *lo_q,
+                                   const int32_t *hi_q, int n, float out[3][AXL_QCANDS]) {
+#define CALL(dt) search_sums_any(w, dt, imp, k0, k1, c, lo_q, hi_q, n, out)
+    SEARCH_BY_DTYPE(CALL)
+#undef CALL
+}
+
+AXL_AVX512 static void search_error(const void *w, int src_dtype, const float *imp, int64_t k0,
+                                    int64_t k1, const axl_qcand *c, int32_t lo_q, int32_t hi_q,
+                                    int offset, double lanes[AXL_QLANES]) {
+#define CALL(dt)                                                                    \
+    (offset ? search_error_any(w, dt, imp, k0, k1, c, lo_q, hi_q, 1, lanes)         \
+            : search_error_any(w, dt, imp, k0, k1, c, lo_q, hi_q, 0, lanes))
+    SEARCH_BY_DTYPE(CALL)
+#undef CALL
+}
+
+const axl_qsearch_ops axl_qsearch_avx512 = {search_sums, search_error};
+
 AXL_DEFINE_QUANT_ROWS(AXL_AVX512, avx512, f32, AXL_F32)
 AXL_DEFINE_QUANT_ROWS(AXL_AVX512, avx512, bf16, AXL_BF16)
 AXL_DEFINE_QUANT_ROWS(AXL_AVX512, avx512, f16, AXL_F16)

@@ -1161,6 +1161,159 @@ static void test_f16_scales(void) {
     }
 }
 
+/* ---- the search and the offset scheme (axl_quantize_spec) -------------------------------- */
+
+typedef struct sres {
+    unsigned char *q, *scales, *offsets;
+    int8_t *zp;
+    float *max_err, *sqnr;
+    int64_t bad_row;
+} sres;
+
+static void sres_init(sres *r, int64_t rows, int64_t cols, int bits, int64_t groups, int sd) {
+    r->q = guarded((size_t)(rows * q_row_bytes(cols, bits)));
+    r->scales = guarded((size_t)(rows * groups) * axl_dtype_size(sd));
+    r->offsets = guarded((size_t)(rows * groups) * axl_dtype_size(sd));
+    r->zp = guarded((size_t)(rows * groups));
+    r->max_err = guarded((size_t)rows * 4);
+    r->sqnr = guarded((size_t)rows * 4);
+    r->bad_row = -2;
+}
+
+static void sres_free(sres *r) {
+    free(r->q);
+    free(r->scales);
+    free(r->offsets);
+    free(r->zp);
+    free(r->max_err);
+    free(r->sqnr);
+}
+
+static int run_spec(const void *w, int dt, int64_t rows, int64_t cols, const axl_qspec *spec,
+                    sres *r, int nthreads, int isa) {
+    return axl_quantize_spec(w, dt, rows, cols, spec, r->q, r->scales,
+                             spec->scheme == AXL_Q_ZERO_POINT ? r->zp : NULL,
+                             spec->scheme == AXL_Q_OFFSET ? r->offsets : NULL, r->max_err, r->sqnr,
+                             &r->bad_row, nthreads, isa);
+}
+
+/* The dequantized row-major matrix (f32) of a result, from the formulas of autoxla.h. */
+static void dequant_formula(const sres *r, const axl_qspec *spec, int64_t rows, int64_t cols,
+                            int64_t groups, int64_t block, float *y) {
+    qres view = {.rows = rows, .cols = cols, .bits = spec->bits, .q = r->q};
+    for (int64_t row = 0; row < rows; row++)
+        for (int64_t k = 0; k < cols; k++) {
+            int64_t g = row * groups + k / block;
+            qres sv = {.scale_dtype = spec->scale_dtype, .scales = r->scales};
+            float scale = scale_at(&sv, g);
+            int32_t v = q_at(&view, row, k);
+            if (spec->scheme == AXL_Q_OFFSET) {
+                qres ov = {.scale_dtype = spec->scale_dtype, .scales = r->offsets};
+                y[row * cols + k] = (float)v * scale + scale_at(&ov, g);
+            } else {
+                int32_t zp = spec->scheme == AXL_Q_ZERO_POINT ? r->zp[g] : 0;
+                y[row * cols + k] = (float)(v - zp) * scale;
+            }
+        }
+}
+
+/* Every ISA and thread count equal to the scalar search bit for bit, with and without
+ * importance; per block the searched weighted squared error (double) never above the plain
+ * one's; axl_dequantize_spec equal to the formula on every ISA. */
+static void check_search_case(const void *w, int dt, int64_t rows, int64_t cols, int bits,
+                              int scheme, int64_t block, int sd, const float *imp) {
+    const int64_t eb = block < cols ? block : cols, groups = (cols - 1) / eb + 1;
+    char what[160];
+    snprintf(what, sizeof what, "%s %lldx%lld int%d scheme %d block %lld %s imp %d",
+             dtype_names[dt], (long long)rows, (long long)cols, bits, scheme, (long long)block,
+             scale_name(sd), imp != NULL);
+    axl_qspec plain_spec = {bits, scheme, block, sd, 0, NULL}, spec = {bits, scheme, block, sd, 1, imp};
+    sres plain, want;
+    sres_init(&plain, rows, cols, bits, groups, sd);
+    sres_init(&want, rows, cols, bits, groups, sd);
+    int st = run_spec(w, dt, rows, cols, &plain_spec, &plain, 1, AXL_ISA_SCALAR);
+    int st2 = run_spec(w, dt, rows, cols, &spec, &want, 1, AXL_ISA_SCALAR);
+    CHECK_MSG(st == AXL_OK && st2 == AXL_OK, "%s: status %d / %d", what, st, st2);
+    if (st != AXL_OK || st2 != AXL_OK) goto done;
+    float *yp = xmalloc((size_t)(rows * cols) * 4), *ys = xmalloc((size_t)(rows * cols) * 4);
+    dequant_formula(&plain, &plain_spec, rows, cols, groups, eb, yp);
+    dequant_formula(&want, &spec, rows, cols, groups, eb, ys);
+    int64_t worse = 0, better = 0;
+    for (int64_t row = 0; row < rows; row++)
+        for (int64_t g = 0; g < groups; g++) {
+            double ep = 0, es = 0;
+            for (int64_t k = g * eb; k < cols && k < (g + 1) * eb; k++) {
+                double x = get(w, dt, row * cols + k), wt = imp ? imp[k] : 1.0;
+                ep += wt * (x - yp[row * cols + k]) * (x - yp[row * cols + k]);
+                es += wt * (x - ys[row * cols + k]) * (x - ys[row * cols + k]);
+            }
+            worse += es > ep * (1 + 1e-12); /* summation order only (see autoxla.h) */
+            better += es < ep;
+        }
+    CHECK_MSG(worse == 0, "%s: %lld blocks worse than plain", what, (long long)worse);
+    if (scheme == AXL_Q_OFFSET && bits == 4 && cols >= 32 && rows > 4)
+        CHECK_MSG(better > 0, "%s: the search never helped", what);
+    size_t qb = (size_t)(rows * q_row_bytes(cols, bits)), sb = (size_t)(rows * groups) * axl_dtype_size(sd);
+    for (int isa = AXL_ISA_SCALAR; isa < AXL_ISA_COUNT; isa++) {
+        if (!isa_available(isa)) continue;
+        for (int t = 0; t < 2; t++) {
+            sres got;
+            sres_init(&got, rows, cols, bits, groups, sd);
+            st = run_spec(w, dt, rows, cols, &spec, &got, t ? 3 : 1, isa);
+            int same = st == AXL_OK && !memcmp(got.q, want.q, qb) && !memcmp(got.scales, want.scales, sb) &&
+                       (scheme != AXL_Q_ZERO_POINT || !memcmp(got.zp, want.zp, (size_t)(rows * groups))) &&
+                       (scheme != AXL_Q_OFFSET || !memcmp(got.offsets, want.offsets, sb)) &&
+                       !memcmp(got.max_err, want.max_err, (size_t)rows * 4) &&
+                       !memcmp(got.sqnr, want.sqnr, (size_t)rows * 4) && guard_intact(got.q, qb) &&
+                       guard_intact(got.scales, sb) && guard_intact(got.offsets, sb);
+            CHECK_MSG(same, "%s isa %s threads %d: status %d, differs from scalar", what,
+                      axl_isa_name(isa), t ? 3 : 1, st);
+            sres_free(&got);
+        }
+        for (int d = 0; d < 3; d++) {
+            size_t n = (size_t)(rows * cols), ds = axl_dtype_size(d);
+            void *want_out = xmalloc(n * ds), *out = xmalloc(n * ds);
+            CHECK_EQ(axl_convert(ys, AXL_F32, want_out, d, (int64_t)n, 1, AXL_ISA_SCALAR), AXL_OK);
+            st = axl_dequantize_spec(want.q, want.scales, scheme == AXL_Q_ZERO_POINT ? want.zp : NULL,
+                                     want.offsets, rows, cols, &spec, out, d, 2, isa);
+            CHECK_MSG(st == AXL_OK && !memcmp(out, want_out, n * ds), "%s dequantize -> %s isa %s",
+                      what, dtype_names[d], axl_isa_name(isa));
+            free(want_out);
+            free(out);
+        }
+    }
+    free(yp);
+    free(ys);
+done:
+    sres_free(&plain);
+    sres_free(&want);
+}
+
+/* Heavy tails (every 37th element 9x: outliers in most blocks) make the search matter. */
+static void test_search(void) {
+    const int64_t shapes[][3] = {{ROW_KINDS * 2 + 1, 64, 32}, {13, 200, 32}, {7, 77, 10}, {9, 96, 96},
+                                 {5, 33, 7}, {300, 512, 64}};
+    for (size_t c = 0; c < sizeof shapes / sizeof *shapes; c++) {
+        const int64_t rows = shapes[c][0], cols = shapes[c][1], block = shapes[c][2];
+        const int dt = float_dtypes[c % 3];
+        void *w = make_weight(dt, rows, cols);
+        for (int64_t i = 0; i < rows * cols; i += 37)
+            if (fabsf(get(w, dt, i)) < 1e3f) put(w, dt, i, get(w, dt, i) * 9.0f);
+        void *tamed = tamed_for_f16(w, dt, rows, cols);
+        float *imp = xmalloc((size_t)cols * 4);
+        for (int64_t k = 0; k < cols; k++) imp[k] = k % 5 == 0 ? 0.0f : rng_unit() * 4.0f;
+        for (int sd = 0; sd < 3; sd++)
+            for (int bits = 4; bits <= 8; bits += 4)
+                for (int scheme = 0; scheme < AXL_Q_SCHEME_COUNT; scheme++)
+                    for (int wi = 0; wi < 2; wi++)
+                        check_search_case(sd == 2 && tamed ? tamed : w, dt, rows, cols, bits,
+                                          scheme, block, scale_dtypes[sd], wi ? imp : NULL);
+        free(imp);
+        free(tamed);
+        free(w);
+    }
+}
+
 /* ---- bad arguments ------------------------------------------------------------------------- */
 
 static void test_bad_arguments(int sd) {
@@ -1407,6 +1560,7 @@ void test_quant(void) {
     test_symmetric_zero_points();
     test_thread_failure();
     test_f16_scales();
+    test_search();
     test_bad_arguments(AXL_F32);
     test_bad_arguments(AXL_BF16);
     test_bad_arguments(AXL_F16);
