@@ -57,7 +57,8 @@ def prepare_model_for_checkpoint(model: nn.Module, dequantize: bool = True) -> n
         for name, d in report.layers.items():
             q, scale = state.pop(f"{name}.weight"), state.pop(f"{name}.weight_scale")
             zero_point = state.pop(f"{name}.weight_zero_point", None)
-            state[f"{name}.weight"] = dequantize_weight(q, scale, zero_point, d.fmt, dtype)
+            offset = state.pop(f"{name}.weight_offset", None)
+            state[f"{name}.weight"] = dequantize_weight(q, scale, zero_point, d.fmt, dtype, offset)
     _, unexpected = plain.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"internal error: {type(inner).__name__} holds {unexpected[:5]}, which "

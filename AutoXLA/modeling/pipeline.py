@@ -273,6 +273,7 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
                     smoothing=None) -> int:
     """Quantize one float checkpoint weight on the host (C engine), then shard its quantized
     tensors by their planned specs. Returns the bytes sent to the devices."""
+    from ..quantization.linear import stored_tensors
     from ..quantization.quantizer import quantize_tensor
 
     w = _read_host(key, state, checkpoint)
@@ -285,9 +286,7 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     if report is not None:
         report.record_stats(prefix, q)
     sent = 0
-    for leaf, value in (("weight", q.q), ("weight_scale", q.scale), ("weight_zero_point", q.zero_point)):
-        if value is None:
-            continue
+    for leaf, value in stored_tensors(q).items():
         entry = plan[f"{prefix}.{leaf}" if prefix else leaf]
         owner._buffers[leaf] = streaming.tensor_to_device(value, entry.spec, mesh)
         sent += entry.nbytes

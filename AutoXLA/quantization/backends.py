@@ -102,6 +102,8 @@ def xla_op_arguments(layer, x: torch.Tensor) -> tuple[tuple, dict]:
     zp = None
     if layer.weight_zero_point is not None:
         zp = layer.weight_zero_point.reshape(-1).to(torch.float32) * scale
+    elif layer.weight_offset is not None:   # y = q * s + offset: x @ y^T = x @ (q s)^T + x @ offset
+        zp = -layer.weight_offset.reshape(-1).to(torch.float32)
     # Flattened to 2-D, as for the Pallas kernel: vision models feed 4-D and 5-D activations,
     # and one 2-D contraction is the case torch_xla's own tests cover.
     x2 = x.reshape(-1, x.shape[-1])

@@ -8,12 +8,14 @@ from dataclasses import asdict, dataclass, field, fields
 # Saved as config.json["quantization_config"]; bump on any change of the saved layout.
 # Version 2 adds int8 embedding tables (quantize_embeddings); a config without them is still
 # written as version 1, so such checkpoints stay readable by an AutoXLA that reads only version 1.
-# Version 3 adds scale dtypes other than bfloat16 (scale_dtype); each config is written with the
+# Version 3 adds scale dtypes other than bfloat16 (scale_dtype), float offsets (zero_point=
+# "float", stored as weight_offset) and searched scales (scale_search: the layout is version 1's,
+# but a reader that knows only 1 and 2 would refuse the key); each config is written with the
 # lowest version that describes it.
 FORMAT_VERSION = 1
 EMBEDDINGS_FORMAT_VERSION = 2
-SCALE_DTYPE_FORMAT_VERSION = 3
-READABLE_VERSIONS = (FORMAT_VERSION, EMBEDDINGS_FORMAT_VERSION, SCALE_DTYPE_FORMAT_VERSION)
+FORMATS_FORMAT_VERSION = 3
+READABLE_VERSIONS = (FORMAT_VERSION, EMBEDDINGS_FORMAT_VERSION, FORMATS_FORMAT_VERSION)
 QUANT_METHOD = "autoxla"
 BITS = (8, 4)
 BACKENDS = ("auto", "pallas", "xla_op", "fallback")
@@ -22,6 +24,10 @@ BACKENDS = ("auto", "pallas", "xla_op", "fallback")
 # measured in docs/quantization.md) but tops out at 65504; float32 costs twice the bytes.
 SCALE_DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_SCALE_DTYPE = "bfloat16"
+# An asymmetric block's zero: an int8 zero point (y = (q - zp) * scale) or a float offset in the
+# scale dtype (y = q * scale + offset, llama.cpp's Q4_1 form: the block's minimum need not fall
+# on the grid).
+ZERO_POINTS = ("int8", "float")
 # per_channel=False without a block_size: llama.cpp's Q4_0/Q8_0 block, which divides every width
 # that is a multiple of 32 (nearly every model's hidden and intermediate sizes); a width it does
 # not divide gets a shorter last block (ragged), like any other block size.
@@ -57,6 +63,8 @@ class LayerFormat:
     in_features: int
     out_features: int
     scale_dtype: str = DEFAULT_SCALE_DTYPE   # one of SCALE_DTYPES
+    offset: bool = False    # asymmetric with a float offset (weight_offset) instead of an int8 zero point
+    search: bool = False    # the C engine's error-minimising scale search
 
     @property
     def torch_scale_dtype(self):
@@ -92,8 +100,10 @@ class LayerFormat:
         blocks = "per-channel" if self.per_channel else f"block {self.block_size}"
         if self.ragged:
             blocks += f" (last {self.in_features % self.block_size})"
-        scales = "" if self.scale_dtype == DEFAULT_SCALE_DTYPE else f", {self.scale_dtype} scales"
-        return f"int{self.bits} {blocks} {'sym' if self.symmetric else 'asym'}{scales}"
+        kind = "sym" if self.symmetric else "asym float offset" if self.offset else "asym"
+        extras = ([f"{self.scale_dtype} scales"] if self.scale_dtype != DEFAULT_SCALE_DTYPE else []
+                  ) + (["searched"] if self.search else [])
+        return f"int{self.bits} {blocks} {kind}" + "".join(f", {e}" for e in extras)
 
 
 @dataclass
@@ -106,8 +116,13 @@ class QuantizationConfig:
         last block of each row is shorter (ragged), and where it is at least that dimension the
         layer has one block per row (per-channel).
     symmetric: True = scale only; False = scale and an int8 zero point per group.
+    zero_point: with symmetric=False, "int8" (an int8 zero point per group) or "float" (a float
+        offset per group in the scale dtype: y = q * scale + offset, like llama.cpp's Q4_1).
     scale_dtype: "bfloat16" (default), "float16" or "float32": how each scale is stored (the C
         engine rounds the float32 scale UP to it, so every value stays within half a step).
+    scale_search: the C engine's error-minimising search of each block's scale (and zero
+        point / offset) instead of absmax / min-max: never a larger squared error on any block;
+        weighted by the calibration's mean squared activations when calibration is given.
     quantize_activation: dynamic per-row int8 activations (W8A8) where the backend has them.
     use_pallas: None = the Pallas TPU kernel when running on a TPU; True = asked for it (a warning
         when it cannot be used); False = never.
@@ -131,7 +146,9 @@ class QuantizationConfig:
     n_bits: int | None = None
     block_size: int = -1
     symmetric: bool = True
+    zero_point: str = "int8"
     scale_dtype: str = DEFAULT_SCALE_DTYPE
+    scale_search: bool = False
     quantize_activation: bool = False
     use_pallas: bool | None = None
     exclude_layers: list[str] = field(default_factory=list)
@@ -159,10 +176,16 @@ class QuantizationConfig:
             raise ValueError(f"block_size={bs!r} is not supported; use -1 (per-channel) or a "
                              "positive number of inputs per scale, e.g. 32 or 128")
         self._resolve_per_channel()
+        if self.zero_point not in ZERO_POINTS:
+            raise ValueError(f"zero_point={self.zero_point!r} is not supported; use 'int8' (an "
+                             "int8 zero point per group) or 'float' (a float offset per group)")
+        if self.zero_point == "float" and self.symmetric:
+            raise ValueError("zero_point='float' needs symmetric=False (a symmetric format has "
+                             "no zero point); pass symmetric=False with it")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use one of "
                              f"{', '.join(map(repr, SCALE_DTYPES))}")
-        for name in ("symmetric", "quantize_activation", "quantize_lm_head", "quantize_embeddings",
+        for name in ("symmetric", "scale_search", "quantize_activation", "quantize_lm_head", "quantize_embeddings",
                      "use_xla_kernel", "pack_4bit", "auto_tune_block_sizes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -208,13 +231,13 @@ class QuantizationConfig:
         per row (per-channel); one that does not divide it leaves a shorter last block."""
         block = in_features if self.block_size == -1 else min(self.block_size, in_features)
         return LayerFormat(self.n_bits, self.symmetric, block, in_features, out_features,
-                           self.scale_dtype)
+                           self.scale_dtype, self.zero_point == "float", self.scale_search)
 
     def embedding_format(self, num_embeddings: int, embedding_dim: int) -> LayerFormat:
         """An embedding table (vocab, hidden): int8 with one scale per row, whatever n_bits and
         block_size say (a row is what a lookup reads, so it is the natural group)."""
         return LayerFormat(8, self.symmetric, embedding_dim, embedding_dim, num_embeddings,
-                           self.scale_dtype)
+                           self.scale_dtype, False, self.scale_search)
 
     def excludes(self, name: str) -> str | None:
         """The exclude_layers pattern that matches module ``name``, or None."""
@@ -228,13 +251,14 @@ class QuantizationConfig:
     def to_dict(self) -> dict:
         """The saved form. per_channel is folded into block_size and pack_4bit /
         auto_tune_block_sizes change nothing, so none is saved; quantize_embeddings,
-        use_xla_kernel, float_activation_layers and scale_dtype are saved only when not at their
+        use_xla_kernel, float_activation_layers, scale_dtype, zero_point and scale_search are saved only when not at their
         defaults, so a config that does not use them is the version-1 dict, byte for byte."""
         d = asdict(self)
         for key in ("bits", "per_channel", "pack_4bit", "auto_tune_block_sizes"):
             d.pop(key)
         for key, default in (("quantize_embeddings", False), ("use_xla_kernel", True),
-                             ("float_activation_layers", []), ("scale_dtype", DEFAULT_SCALE_DTYPE)):
+                             ("float_activation_layers", []), ("scale_dtype", DEFAULT_SCALE_DTYPE),
+                             ("zero_point", "int8"), ("scale_search", False)):
             if d[key] == default:
                 d.pop(key)
         d["quant_method"] = QUANT_METHOD
@@ -243,8 +267,9 @@ class QuantizationConfig:
 
     def _format_version(self) -> int:
         """The lowest saved-layout version that describes this config."""
-        if self.scale_dtype != DEFAULT_SCALE_DTYPE:
-            return SCALE_DTYPE_FORMAT_VERSION
+        if (self.scale_dtype != DEFAULT_SCALE_DTYPE or self.zero_point != "int8"
+                or self.scale_search):
+            return FORMATS_FORMAT_VERSION
         return EMBEDDINGS_FORMAT_VERSION if self.quantize_embeddings else FORMAT_VERSION
 
     @classmethod
@@ -270,7 +295,8 @@ class QuantizationConfig:
 
     def same_weights_as(self, other: "QuantizationConfig") -> bool:
         """True when both produce the same stored tensors (runtime-only settings may differ)."""
-        keys = ("n_bits", "block_size", "symmetric", "scale_dtype", "exclude_layers",
+        keys = ("n_bits", "block_size", "symmetric", "zero_point", "scale_dtype", "scale_search",
+                "exclude_layers",
                 "quantize_lm_head", "quantize_embeddings")
         return all(getattr(self, k) == getattr(other, k) for k in keys)
 

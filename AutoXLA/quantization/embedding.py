@@ -28,7 +28,7 @@ class QuantizedEmbedding(nn.Embedding):
     def __init__(self, fmt: LayerFormat, padding_idx: int | None = None,
                  dtype: torch.dtype = torch.float32, device=None):
         nn.Module.__init__(self)   # not nn.Embedding's: it would allocate a float table
-        if fmt.bits != 8 or not fmt.per_channel:
+        if fmt.bits != 8 or not fmt.per_channel or fmt.offset:
             raise ValueError(f"QuantizedEmbedding stores int8 with one scale per row, got {fmt.label}")
         # The sharding rules recognise a quantized module by this attribute (rules.classify).
         self.quant_format = fmt

@@ -6,9 +6,10 @@ Stored tensors (persistent buffers, so state_dict and save_pretrained carry them
                      two's complement value (the C core's layout, csrc/include/autoxla.h)
   weight_scale       (out, groups) of the format's scale dtype (bfloat16 unless scale_dtype says
                      otherwise): one scale per block_size inputs
-  weight_zero_point  int8 (out, groups), asymmetric formats only
+  weight_zero_point  int8 (out, groups), asymmetric formats with an integer zero point
+  weight_offset      (out, groups) of the scale dtype, asymmetric formats with a float offset
   bias               the float bias, a trainable Parameter, never quantized
-Dequantized value: (q - zero_point) * scale. int4 stays packed on the device and is unpacked inside
+Dequantized value: (q - zero_point) * scale, or q * scale + offset. int4 stays packed on the device and is unpacked inside
 the compiled graph with integer ops, so it never costs more than half a byte per weight at rest.
 """
 from __future__ import annotations
@@ -31,15 +32,15 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(fmt.out_features, dtype=dtype, device=device)) if bias else None
 
     def load_quantized(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                       bias: torch.Tensor | None = None) -> None:
+                       bias: torch.Tensor | None = None, offset: torch.Tensor | None = None) -> None:
         """Install quantized tensors (e.g. from the C engine) in place of the zero buffers."""
-        install_quantized(self, q, scale, zero_point)
+        install_quantized(self, q, scale, zero_point, offset)
         if bias is not None:
             self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad if self.bias is not None else True)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale, self.weight_zero_point, self.quant_format,
-                          dtype)
+                          dtype, self.weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from .backends import FORWARD
@@ -54,7 +55,7 @@ class QuantizedLinear(nn.Module):
 
 def register_quantized_buffers(module: nn.Module, fmt: LayerFormat, device=None) -> None:
     """Zero ``weight`` (int8, or int4 packed in uint8), ``weight_scale`` and, when asymmetric,
-    ``weight_zero_point`` buffers of ``fmt``'s shapes: the names the loader, the plan and saving
+    ``weight_zero_point`` or ``weight_offset`` buffers of ``fmt``'s shapes: the names the loader, the plan and saving
     know a quantized module's tensors by (QuantizedLinear, QuantizedEmbedding)."""
     qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
     module.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=qdtype, device=device))
@@ -62,18 +63,22 @@ def register_quantized_buffers(module: nn.Module, fmt: LayerFormat, device=None)
     # so every value stays within half a step (docs/quantization.md).
     module.register_buffer("weight_scale", torch.zeros(fmt.scale_shape,
                                                        dtype=fmt.torch_scale_dtype, device=device))
-    if not fmt.symmetric:
-        module.register_buffer("weight_zero_point", torch.zeros(fmt.scale_shape, dtype=torch.int8,
-                                                                device=device))
-    else:
-        module.weight_zero_point = None
+    zero_point = offset = None
+    if fmt.offset:
+        offset = torch.zeros(fmt.scale_shape, dtype=fmt.torch_scale_dtype, device=device)
+    elif not fmt.symmetric:
+        zero_point = torch.zeros(fmt.scale_shape, dtype=torch.int8, device=device)
+    # A format without one still has the attribute (None): a None buffer is not saved.
+    module.register_buffer("weight_zero_point", zero_point)
+    module.register_buffer("weight_offset", offset)
 
 
 def install_quantized(module: nn.Module, q: torch.Tensor, scale: torch.Tensor,
-                      zero_point: torch.Tensor | None) -> None:
+                      zero_point: torch.Tensor | None, offset: torch.Tensor | None = None) -> None:
     """Replaces the buffers ``register_quantized_buffers`` made by ``q``, ``scale`` and
-    ``zero_point``, each checked for the dtype and shape its buffer has."""
-    for name, value in (("weight", q), ("weight_scale", scale), ("weight_zero_point", zero_point)):
+    ``zero_point`` / ``offset``, each checked for the dtype and shape its buffer has."""
+    for name, value in (("weight", q), ("weight_scale", scale), ("weight_zero_point", zero_point),
+                        ("weight_offset", offset)):
         old = getattr(module, name)
         if old is None:
             continue
@@ -82,6 +87,14 @@ def install_quantized(module: nn.Module, q: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"{name} must be {old.dtype} of shape {tuple(old.shape)} for "
                              f"{module.quant_format.label} ({type(module).__name__}), got {got}")
         module._buffers[name] = value
+
+
+def stored_tensors(q) -> dict[str, torch.Tensor]:
+    """The C engine's result (_native.Quantized) under the buffer names a quantized module
+    stores it by (register_quantized_buffers), without the parts its format has not."""
+    named = {"weight": q.q, "weight_scale": q.scale, "weight_zero_point": q.zero_point,
+             "weight_offset": q.offset}
+    return {name: t for name, t in named.items() if t is not None}
 
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
@@ -103,21 +116,25 @@ def integer_weight(q: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               fmt: LayerFormat, dtype: torch.dtype) -> torch.Tensor:
-    """(q - zero_point) * scale in float32, per group of block_size inputs, cast to ``dtype``.
-
-    The same arithmetic as the C core's dequantize (fp32, one rounding at the end).
-    """
+               fmt: LayerFormat, dtype: torch.dtype, offset: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """(q - zero_point) * scale, or q * scale + offset, in float32 per group of block_size
+    inputs, cast to ``dtype``: the C core's dequantize (fp32, rounded once at the end)."""
     w = integer_weight(q, fmt).to(torch.float32)
     rows = fmt.out_features
-    if fmt.ragged:   # the last block is shorter: widen each block's scale over its columns
-        if zero_point is not None:
-            w = w - per_column(zero_point.to(torch.float32), fmt)
-        return (w * per_column(scale.to(torch.float32), fmt)).to(dtype)
-    w = w.reshape(rows, fmt.groups, fmt.block_size)
+    if fmt.ragged:   # the last block is shorter: widen each block's values over its columns
+        def widen(t):
+            return per_column(t.to(torch.float32), fmt)
+    else:
+        w = w.reshape(rows, fmt.groups, fmt.block_size)
+
+        def widen(t):
+            return t.to(torch.float32).unsqueeze(-1)
     if zero_point is not None:
-        w = w - zero_point.to(torch.float32).unsqueeze(-1)
-    w = w * scale.to(torch.float32).unsqueeze(-1)
+        w = w - widen(zero_point)
+    w = w * widen(scale)
+    if offset is not None:
+        w = w + widen(offset)
     return w.reshape(rows, fmt.in_features).to(dtype)
 
 

@@ -21,7 +21,7 @@ from ..module_swap import repointing_references
 from .backends import ACTIVATION_QUANT, choose
 from .config import LayerFormat, QuantizationConfig
 from .embedding import GATHER, QuantizedEmbedding
-from .linear import QuantizedLinear
+from .linear import QuantizedLinear, stored_tensors
 
 logger = logging.getLogger("AutoXLA")
 
@@ -105,15 +105,22 @@ def _weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def quantize_tensor(w: torch.Tensor, fmt: LayerFormat, name: str = "", stats: bool = True
-                    ) -> "_native.Quantized":
-    """One float weight (out, in) -> the C engine's quantized tensors (on the CPU)."""
+def quantize_tensor(w: torch.Tensor, fmt: LayerFormat, name: str = "", stats: bool = True,
+                    importance: torch.Tensor | None = None) -> "_native.Quantized":
+    """One float weight (out, in) -> the C engine's quantized tensors (on the CPU).
+    ``importance`` (in,): per-input weights of the scale search's squared error (calibration's
+    mean squared activations), used when the format searches."""
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         w = w.to(torch.float32)
+    if importance is not None and fmt.search:
+        importance = importance.detach().to("cpu", torch.float32).contiguous()
+    else:
+        importance = None
     try:
         return _native.quantize(w.contiguous(), bits=fmt.bits, symmetric=fmt.symmetric,
                                 block_size=fmt.block_size, stats=stats,
-                                scale_dtype=fmt.torch_scale_dtype)
+                                scale_dtype=fmt.torch_scale_dtype, search=fmt.search,
+                                importance=importance, offset=fmt.offset)
     except _native.NativeError as e:
         row = getattr(e, "row", None)
         if row is None:
@@ -293,12 +300,13 @@ class ModelQuantizer:
                 q = quantize_tensor(old.weight.detach().cpu(), d.fmt, name)
                 report.record_stats(name, q)
                 dev = old.weight.device
-                tensors = (q.q.to(dev), q.scale.to(dev),
-                           None if q.zero_point is None else q.zero_point.to(dev))
+                t = {k: v.to(dev) for k, v in stored_tensors(q).items()}
+                tensors = (t["weight"], t["weight_scale"], t.get("weight_zero_point"))
                 if table:
                     new.load_quantized(*tensors)
                 else:
-                    new.load_quantized(*tensors, None if old.bias is None else old.bias.detach())
+                    new.load_quantized(*tensors, None if old.bias is None else old.bias.detach(),
+                                       offset=t.get("weight_offset"))
             setattr(parent, leaf, new)
 
 

@@ -40,7 +40,7 @@ EMBEDDING, LM_HEAD, NORM, BIAS = "vocab_embedding", "lm_head", "norm", "bias"
 CONV, BUFFER, OTHER = "conv", "buffer", "other"
 SCALE = "quant_scale"
 # Buffers of a quantized linear that sit beside its weight (quantization/linear.py).
-QUANT_SIDECARS = frozenset({"weight_scale", "weight_zero_point"})
+QUANT_SIDECARS = frozenset({"weight_scale", "weight_zero_point", "weight_offset"})
 
 
 @dataclass(frozen=True)

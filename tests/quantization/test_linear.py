@@ -10,6 +10,7 @@ from AutoXLA import _native
 from AutoXLA.quantization import QuantizationConfig
 from AutoXLA.quantization.backends import choose, pallas_arguments, xla_op_arguments
 from AutoXLA.quantization.linear import QuantizedLinear, dequantize, unpack_int4
+from AutoXLA.quantization.quantizer import quantize_tensor
 
 SCALE_DTYPE = torch.bfloat16     # the default format's scales
 
@@ -135,3 +136,40 @@ def test_explicit_backend_that_cannot_run_is_an_error():
     cfg = QuantizationConfig(n_bits=8, backend="pallas")
     with pytest.raises(ValueError, match="runs only on a TPU"):
         choose(cfg.layer_format("mlp", 64, 8), cfg, on_tpu=False, layer="mlp")
+
+
+# The formats issue 14 added: a float offset, float16 scales, a ragged last block, searched scales.
+NEW_FORMATS = [  # QuantizationConfig keywords
+    dict(n_bits=4, block_size=32, symmetric=False, zero_point="float"),
+    dict(n_bits=8, block_size=-1, symmetric=False, zero_point="float", scale_dtype="float16"),
+    dict(n_bits=4, block_size=40, symmetric=True, scale_search=True),        # 192 = 4 x 40 + 32
+    dict(n_bits=4, block_size=40, symmetric=False, zero_point="float", scale_search=True),
+]
+
+
+@pytest.mark.parametrize("kw", NEW_FORMATS, ids=lambda kw: QuantizationConfig(**kw)
+                         .layer_format("w", 192, 1).label)
+def test_torch_dequantize_equals_c_engine_new_formats(kw):
+    # As above: the same fp32 operations in the same order ((q - zp) * s, or q * s + offset).
+    w = torch.randn(24, 192, generator=torch.Generator().manual_seed(7)) * 0.3
+    fmt = QuantizationConfig(**kw).layer_format("w", 192, 24)
+    q = quantize_tensor(w, fmt, stats=False)
+    ours = dequantize(q.q, q.scale, q.zero_point, fmt, torch.float32, q.offset)
+    theirs = _native.dequantize(q.q, q.scale, q.zero_point, bits=fmt.bits, cols=192,
+                                block_size=fmt.block_size, offset=q.offset)
+    assert torch.equal(ours, theirs)
+
+
+def test_xla_op_equals_fallback_with_a_float_offset():
+    kw = dict(n_bits=8, block_size=-1, symmetric=False, zero_point="float")
+    w = torch.randn(24, 192, generator=torch.Generator().manual_seed(3)) * 0.3
+    fmt = QuantizationConfig(**kw).layer_format("w", 192, 24)
+    q = quantize_tensor(w, fmt, stats=False)
+    layers = {}
+    for backend_name in ("fallback", "xla_op"):
+        layers[backend_name] = QuantizedLinear(fmt, bias=False, backend=backend_name)
+        layers[backend_name].load_quantized(q.q, q.scale, None, offset=q.offset)
+    x = torch.randn(4, 192)
+    # The op adds x @ offset after the matmul, the fallback adds the offset to each weight first:
+    # fp32 reordering only.
+    torch.testing.assert_close(layers["xla_op"](x), layers["fallback"](x), atol=1e-4, rtol=1e-4)
