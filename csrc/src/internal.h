@@ -191,10 +191,29 @@ typedef void (*axl_qerror_fn)(const void *w, int src_dtype, const float *imp, in
                               int64_t k1, const axl_qcand *c, int32_t lo_q, int32_t hi_q,
                               int offset, double lanes[AXL_QLANES]);
 
+/*   range: over the block, the largest |x| as bits (*amax), the min and max (*mn, *mx, NaNs
+ *     aside: a NaN or Inf shows in *amax), and, when offset, lw[p % 16] += imp,
+ *     lx[p % 16] += imp * x in fp32, each lane in element order;
+ *   write: the levels of candidate c stored into q (as quant_ref.c stores them) and, when
+ *     signal is not NULL, the statistics lanes (axl_qstats_add, p % 16, without FMA). */
+typedef void (*axl_qrange_fn)(const void *w, int src_dtype, const float *imp, int64_t k0,
+                              int64_t k1, int offset, uint32_t *amax, float *mn, float *mx,
+                              float lw[AXL_QLANES], float lx[AXL_QLANES]);
+typedef void (*axl_qwrite_fn)(const void *w, int src_dtype, int64_t k0, int64_t k1,
+                              const axl_qcand *c, int32_t lo_q, int32_t hi_q, int offset, int bits,
+                              void *q, double *signal, double *noise, double *max_abs_err);
+
 typedef struct axl_qsearch_ops {
     axl_qsums_fn sums;
     axl_qerror_fn error;
+    axl_qrange_fn range;
+    axl_qwrite_fn write;
 } axl_qsearch_ops;
+
+/* The reference's write (for vector kernels' odd 4-bit blocks). */
+void axl_qsearch_write_ref(const void *w, int src_dtype, int64_t k0, int64_t k1,
+                           const axl_qcand *c, int32_t lo_q, int32_t hi_q, int offset, int bits,
+                           void *q, double *signal, double *noise, double *max_abs_err);
 
 extern const axl_qsearch_ops axl_qsearch_ref;
 #if AXL_X86

@@ -853,7 +853,112 @@ AXL_AVX512 static void search_error(const void *w, int src_dtype, const float *i
 #undef CALL
 }
 
-const axl_qsearch_ops axl_qsearch_avx512 = {search_sums, search_error};
+AXL_AVX512 INLINE void search_range_any(const void *w, int src_dtype, const float *imp,
+                                        int64_t k0, int64_t k1, int offset, uint32_t *amax,
+                                        float *mn, float *mx, float lw[AXL_QLANES],
+                                        float lx[AXL_QLANES]) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i a = _mm512_setzero_si512();
+    __m512 lo = _mm512_set1_ps(INFINITY), hi = _mm512_set1_ps(-INFINITY);
+    __m512 sw = _mm512_loadu_ps(lw), sx = _mm512_loadu_ps(lx);
+    for (int64_t k = k0; k < k1; k += 16) {
+        const __mmask16 m = first_lanes(k1 - k);
+        const __m512 x = load_x(w, src_dtype, k, m); /* masked lanes 0: |0| adds nothing */
+        a = _mm512_max_epu32(a, _mm512_and_si512(_mm512_castps_si512(x), abs_mask));
+        lo = _mm512_mask_min_ps(lo, m, lo, x);
+        hi = _mm512_mask_max_ps(hi, m, hi, x);
+        if (offset) {
+            const __m512 wt = imp ? _mm512_maskz_loadu_ps(m, imp + k) : _mm512_set1_ps(1.0f);
+            sw = _mm512_mask_add_ps(sw, m, sw, wt);
+            sx = _mm512_mask_add_ps(sx, m, sx, _mm512_mul_ps(wt, x));
+        }
+    }
+    /* NaNs aside (they show in amax and refuse the row), min and max ignore the order. */
+    *amax = _mm512_reduce_max_epu32(a);
+    *mn = _mm512_reduce_min_ps(lo);
+    *mx = _mm512_reduce_max_ps(hi);
+    _mm512_storeu_ps(lw, sw);
+    _mm512_storeu_ps(lx, sx);
+}
+
+AXL_AVX512 INLINE void search_write_any(const void *w, int src_dtype, int64_t k0, int64_t k1,
+                                        const axl_qcand *c, int32_t lo_q, int32_t hi_q,
+                                        int offset, int bits, void *q, double *signal,
+                                        double *noise, double *max_abs_err) {
+    if (bits == 4 && (k0 & 1)) { /* starts half-way into a byte */
+        axl_qsearch_write_ref(w, src_dtype, k0, k1, c, lo_q, hi_q, offset, bits, q, signal, noise,
+                              max_abs_err);
+        return;
+    }
+    int8_t *q8 = q;
+    uint8_t *q4 = q;
+    const __m512i lo_v = _mm512_set1_epi32(lo_q), hi_v = _mm512_set1_epi32(hi_q);
+    const __m512i zp_v = _mm512_set1_epi32(c->zp);
+    const __m512 scale_v = _mm512_set1_ps(c->scale), b_v = _mm512_set1_ps(c->b);
+    __m512d sg[2], ns[2], mx[2];
+    if (signal)
+        for (int h = 0; h < 2; h++) {
+            sg[h] = _mm512_loadu_pd(signal + 8 * h);
+            ns[h] = _mm512_loadu_pd(noise + 8 * h);
+            mx[h] = _mm512_set1_pd(*max_abs_err);
+        }
+    for (int64_t k = k0; k < k1; k += 16) {
+        const int64_t n = k1 - k < 16 ? k1 - k : 16;
+        const __mmask16 m = first_lanes(n);
+        const __m512 x = load_x(w, src_dtype, k, m);
+        __m512i v = search_levels(x, c, lo_v, hi_v);
+        if (bits == 8) {
+            _mm512_mask_cvtepi32_storeu_epi8(q8 + k, m, v);
+        } else {
+            __m128i packed = pack_nibbles(_mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(m, v)));
+            _mm_mask_storeu_epi8(q4 + k / 2, (__mmask16)((1u << ((n + 1) / 2)) - 1), packed);
+        }
+        if (!signal) continue;
+        __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(v, zp_v)), scale_v);
+        if (offset) y = _mm512_add_ps(y, b_v);
+        const __m512d xs[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(x)),
+                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(x, 1))};
+        const __m512d ys[2] = {_mm512_cvtps_pd(_mm512_castps512_ps256(y)),
+                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(y, 1))};
+        const __mmask8 mh[2] = {(__mmask8)m, (__mmask8)(m >> 8)};
+        for (int h = 0; h < 2; h++) { /* no FMA: e * e need not be exact here */
+            const __m512d e = _mm512_sub_pd(xs[h], ys[h]);
+            sg[h] = _mm512_mask_add_pd(sg[h], mh[h], sg[h], _mm512_mul_pd(xs[h], xs[h]));
+            ns[h] = _mm512_mask_add_pd(ns[h], mh[h], ns[h], _mm512_mul_pd(e, e));
+            mx[h] = _mm512_mask_range_pd(mx[h], mh[h], mx[h], e, 0xB);
+        }
+    }
+    if (signal) {
+        for (int h = 0; h < 2; h++) {
+            _mm512_storeu_pd(signal + 8 * h, sg[h]);
+            _mm512_storeu_pd(noise + 8 * h, ns[h]);
+        }
+        *max_abs_err = _mm512_reduce_max_pd(_mm512_max_pd(mx[0], mx[1]));
+    }
+}
+
+AXL_AVX512 static void search_range(const void *w, int src_dtype, const float *imp, int64_t k0,
+                                    int64_t k1, int offset, uint32_t *amax, float *mn, float *mx,
+                                    float lw[AXL_QLANES], float lx[AXL_QLANES]) {
+#define CALL(dt) search_range_any(w, dt, imp, k0, k1, offset, amax, mn, mx, lw, lx)
+    SEARCH_BY_DTYPE(CALL)
+#undef CALL
+}
+
+AXL_AVX512 static void search_write(const void *w, int src_dtype, int64_t k0, int64_t k1,
+                                    const axl_qcand *c, int32_t lo_q, int32_t hi_q, int offset,
+                                    int bits, void *q, double *signal, double *noise,
+                                    double *max_abs_err) {
+#define CALL(dt)                                                                             \
+    (bits == 8 ? search_write_any(w, dt, k0, k1, c, lo_q, hi_q, offset, 8, q, signal, noise,  \
+                                  max_abs_err)                                               \
+               : search_write_any(w, dt, k0, k1, c, lo_q, hi_q, offset, 4, q, signal, noise,  \
+                                  max_abs_err))
+    SEARCH_BY_DTYPE(CALL)
+#undef CALL
+}
+
+const axl_qsearch_ops axl_qsearch_avx512 = {search_sums, search_error, search_range, search_write};
 
 AXL_DEFINE_QUANT_ROWS(AXL_AVX512, avx512, f32, AXL_F32)
 AXL_DEFINE_QUANT_ROWS(AXL_AVX512, avx512, bf16, AXL_BF16)

@@ -72,7 +72,50 @@ static void error_ref(const void *w, int src_dtype, const float *imp, int64_t k0
     }
 }
 
-const axl_qsearch_ops axl_qsearch_ref = {sums_ref, error_ref};
+static void range_ref(const void *w, int src_dtype, const float *imp, int64_t k0, int64_t k1,
+                      int offset, uint32_t *amax_out, float *mn_out, float *mx_out,
+                      float lw[AXL_QLANES], float lx[AXL_QLANES]) {
+    uint32_t amax = 0;
+    float mn = INFINITY, mx = -INFINITY;
+    for (int64_t k = k0; k < k1; k++) {
+        float x = load_elem(w, src_dtype, k);
+        uint32_t a = axl_bits_of_f32(x) & 0x7FFFFFFFu;
+        if (a > amax) amax = a;
+        if (x < mn) mn = x;
+        if (x > mx) mx = x;
+        if (offset) {
+            const float wt = imp ? imp[k] : 1.0f;
+            lw[(k - k0) % AXL_QLANES] += wt;
+            lx[(k - k0) % AXL_QLANES] += wt * x;
+        }
+    }
+    *amax_out = amax;
+    *mn_out = mn;
+    *mx_out = mx;
+}
+
+void axl_qsearch_write_ref(const void *w, int src_dtype, int64_t k0, int64_t k1,
+                           const axl_qcand *c, int32_t lo_q, int32_t hi_q, int offset, int bits,
+                           void *q, double *signal, double *noise, double *max_abs_err) {
+    int8_t *q8 = q;
+    uint8_t *q4 = q;
+    for (int64_t k = k0; k < k1; k++) {
+        const float x = load_elem(w, src_dtype, k);
+        const int32_t v = level(x, c, lo_q, hi_q);
+        if (bits == 8)
+            q8[k] = (int8_t)v;
+        else if (k & 1)
+            q4[k >> 1] |= (uint8_t)((v & 0xF) << 4);
+        else
+            q4[k >> 1] = (uint8_t)(v & 0xF);
+        if (signal) {
+            const int64_t l = (k - k0) % AXL_QLANES;
+            axl_qstats_add(x, dequant(v, c, offset), &signal[l], &noise[l], max_abs_err);
+        }
+    }
+}
+
+const axl_qsearch_ops axl_qsearch_ref = {sums_ref, error_ref, range_ref, axl_qsearch_write_ref};
 
 /* ---- the scalar set-up ------------------------------------------------------------------- */
 
@@ -112,24 +155,17 @@ static double measure(const axl_qsearch_ops *ops, const void *w, int src_dtype, 
  * clamp range in *lo_q, *hi_q; S_w and S_x (the offset refit's constant sums) in sw, sx.
  * Returns 1 if the block makes the row non-finite. */
 static int plain_block(const void *w, int src_dtype, const axl_qformat *f, const float *imp,
-                       int64_t k0, int64_t k1, axl_qcand *p, int32_t *lo_q, int32_t *hi_q,
-                       float *mn_out, float *mx_out, float *sw, float *sx) {
+                       int64_t k0, int64_t k1, const axl_qsearch_ops *ops, axl_qcand *p,
+                       int32_t *lo_q, int32_t *hi_q, float *mn_out, float *mx_out, float *sw,
+                       float *sx) {
     const int32_t qmax = axl_qmax(f), qmin = -qmax - 1;
     uint32_t amax = 0;
-    float mn = INFINITY, mx = -INFINITY, lw[AXL_QLANES] = {0}, lx[AXL_QLANES] = {0};
-    for (int64_t k = k0; k < k1; k++) {
-        float x = load_elem(w, src_dtype, k);
-        uint32_t a = axl_bits_of_f32(x) & 0x7FFFFFFFu;
-        if (a > amax) amax = a;
-        if (x < mn) mn = x;
-        if (x > mx) mx = x;
-        if (f->scheme == AXL_Q_OFFSET) { /* finite below: NaN/Inf rows return first */
-            const float wt = imp ? imp[k] : 1.0f;
-            lw[(k - k0) % AXL_QLANES] += wt;
-            lx[(k - k0) % AXL_QLANES] += wt * x;
-        }
-    }
+    float mn, mx, lw[AXL_QLANES] = {0}, lx[AXL_QLANES] = {0};
+    ops->range(w, src_dtype, imp, k0, k1, f->scheme == AXL_Q_OFFSET, &amax, &mn, &mx, lw, lx);
     if (amax >= 0x7F800000u) return 1;
+    /* -0 and +0 as one (a vector min may pick either): nothing below depends on the sign. */
+    mn += 0.0f;
+    mx += 0.0f;
     *sw = lane_sum_f(lw);
     *sx = lane_sum_f(lx);
     *mn_out = mn;
@@ -259,16 +295,14 @@ int axl_quant_row_search(const void *w, int src_dtype, const axl_qformat *f, voi
                          void *scales, int8_t *zp, void *offsets, float *max_err,
                          float *sqnr_db, const axl_qsearch_ops *ops) {
     const int stats = max_err || sqnr_db, offset = f->scheme == AXL_Q_OFFSET;
-    int8_t *q8 = q;
-    uint8_t *q4 = q;
     double signal[AXL_QLANES] = {0}, noise[AXL_QLANES] = {0}, max_abs_err = 0;
     for (int64_t g = 0; g < f->groups; g++) {
         const int64_t k0 = g * f->block, k1 = axl_block_end(f, g);
         axl_qcand c;
         int32_t lo_q, hi_q;
         float mn, mx, sw, sx;
-        if (plain_block(w, src_dtype, f, f->importance, k0, k1, &c, &lo_q, &hi_q, &mn, &mx, &sw,
-                        &sx))
+        if (plain_block(w, src_dtype, f, f->importance, k0, k1, ops, &c, &lo_q, &hi_q, &mn, &mx,
+                        &sw, &sx))
             return 1;
         if (f->search && c.scale != 0)
             search_block(w, src_dtype, f, f->importance, k0, k1, ops, mn, mx, sw, sx, &c, &lo_q,
@@ -276,20 +310,8 @@ int axl_quant_row_search(const void *w, int src_dtype, const axl_qformat *f, voi
         axl_scale_store(scales, f->scale_dtype, g, c.scale);
         if (zp) zp[g] = (int8_t)c.zp;
         if (offset) axl_scale_store(offsets, f->scale_dtype, g, c.b);
-        for (int64_t k = k0; k < k1; k++) {
-            const float x = load_elem(w, src_dtype, k);
-            const int32_t v = level(x, &c, lo_q, hi_q);
-            if (f->bits == 8)
-                q8[k] = (int8_t)v;
-            else if (k & 1)
-                q4[k >> 1] |= (uint8_t)((v & 0xF) << 4);
-            else
-                q4[k >> 1] = (uint8_t)(v & 0xF);
-            if (stats) {
-                const int64_t l = (k - k0) % AXL_QLANES;
-                axl_qstats_add(x, dequant(v, &c, offset), &signal[l], &noise[l], &max_abs_err);
-            }
-        }
+        ops->write(w, src_dtype, k0, k1, &c, lo_q, hi_q, offset, f->bits, q,
+                   stats ? signal : NULL, noise, &max_abs_err);
     }
     if (stats) axl_qstats_finish(signal, noise, max_abs_err, max_err, sqnr_db);
     return 0;
