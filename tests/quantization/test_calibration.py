@@ -163,8 +163,9 @@ def test_smoothquant_lowers_the_w8a8_error(float_model, tokens):
     assert all(m.quantize_activation for m in smooth.modules() if isinstance(m, QuantizedLinear))
     report = smooth.autoxla_quantization.calibration
     assert report.smoothing is not None and len(report.smoothing.groups) == 6
-    # Measured: ~XX dB plain, ~YY dB smoothed (the outliers cost plain W8A8 ~30 dB on q..up).
-    assert sqnr_smooth > sqnr_plain + 6, (sqnr_plain, sqnr_smooth)
+    # Logits SQNR against float, measured: 6.3 dB plain, 25.8 dB smoothed (alpha 0.5). The
+    # floor asks for a clear gain, far above what a different rounding of the same noise moves.
+    assert sqnr_smooth > sqnr_plain + 10, (sqnr_plain, sqnr_smooth)
 
 
 def test_auto_exclusion_meets_its_target_and_says_so(float_model, tokens):
@@ -198,7 +199,8 @@ def test_auto_exclusion_meets_its_target_and_says_so(float_model, tokens):
     assert model.autoxla_quantization.config.float_activation_layers == report.float_activations
 
 
-def test_from_pretrained_calibration_keyword(outlier_checkpoint, float_model, tokens, xla_devices):
+def test_from_pretrained_calibration_keyword(outlier_checkpoint, float_model, tokens, tmp_path,
+                                            xla_devices):
     # target=0: nothing may be worse than float on the calibration tokens, so the search has to
     # keep layers in full precision (observed: 1 W8A16, 13 float); the plan lists them.
     calib, held_out = tokens
@@ -221,6 +223,14 @@ def test_from_pretrained_calibration_keyword(outlier_checkpoint, float_model, to
             out[:, :-1].reshape(-1, out.shape[-1]), calib[:, 1:].reshape(-1)).double()))
     # Sharded (fp32 reordering, ~1e-5 on these logits) but otherwise as emulated.
     assert got / base - 1 == pytest.approx(report.error, abs=1e-4)
+    # Saved and reloaded: the smoothed weights and the choices (config.json) come back as they were.
+    out_dir = tmp_path / "calibrated"
+    model.save_pretrained(out_dir)
+    again = AutoXLAModelForCausalLM.from_pretrained(out_dir, sharding_strategy="2d")
+    assert again.autoxla_quantization.config.to_dict() == q.config.to_dict()
+    with torch.no_grad():
+        reloaded = again(input_ids=calib.to(backend.device())).logits.cpu()
+    assert torch.equal(reloaded, out)
 
 
 def test_emulated_weights_are_the_c_engines():
