@@ -40,17 +40,22 @@ _CHECK_MEAN_NLL_16BIT = 2e-2
 
 def fake_weight(w: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
     """``w`` (out, in) quantized and dequantized in ``fmt`` on its device, float32, with the C
-    engine's arithmetic (csrc/src/quant_ref.c): the float32 scale rounded up to bfloat16, the
-    values multiplied by its reciprocal, rounded half to even and clamped; a zero block stays 0."""
+    engine's arithmetic (csrc/src/quant_ref.c): the float32 scale rounded up to the scale dtype,
+    the values multiplied by its reciprocal, rounded half to even and clamped; a zero block stays
+    0. A ragged last block is padded with zeros, which change no block's range."""
     qmax = 127 if fmt.bits == 8 else 7
     qmin = -qmax if fmt.symmetric else -qmax - 1
-    x = w.detach().float().reshape(fmt.out_features, fmt.groups, fmt.block_size)
+    x = w.detach().float()
+    pad = fmt.groups * fmt.block_size - fmt.in_features
+    if pad:
+        x = F.pad(x, (0, pad))
+    x = x.reshape(fmt.out_features, fmt.groups, fmt.block_size)
     if fmt.symmetric:
         scale = x.abs().amax(-1, keepdim=True) / qmax
     else:
         lo = x.amin(-1, keepdim=True).clamp(max=0)
         scale = (x.amax(-1, keepdim=True).clamp(min=0) - lo) / (qmax - qmin)
-    scale = _round_up_to_bfloat16(scale)
+    scale = _round_up(scale, fmt.torch_scale_dtype)
     inv = torch.ones_like(scale) / scale
     zero = torch.isinf(inv)
     scale = torch.where(zero, torch.zeros_like(scale), scale)
@@ -58,18 +63,27 @@ def fake_weight(w: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
     zp = 0 if fmt.symmetric else torch.where(zero, torch.zeros_like(lo),
                                              (qmin - torch.round(lo * inv)).clamp(qmin, qmax))
     q = (torch.round(x * inv) + zp).clamp(qmin, qmax)
-    return ((q - zp) * scale).reshape(w.shape)
+    return ((q - zp) * scale).reshape(fmt.out_features, -1)[:, :fmt.in_features]
 
 
-def _round_up_to_bfloat16(scale: torch.Tensor) -> torch.Tensor:
-    """The smallest bfloat16 >= each (float32, >= 0) scale, as float32, in lazy float ops (the
-    C engine's bit trick needs a dtype view, which makes torch_xla run the pending graph, and
-    frexp / nextafter run on the CPU). Round to nearest; where that fell below, take the next
-    bfloat16 up: v * (1 + 2^-8 + 2^-16) lies more than half and less than one bfloat16 step
-    above a bfloat16 v (v = 2^e (1 + k/128): the step is 2^e / 128), so rounding it to nearest
-    gives v + step. Equal to the C engine's for normal floats (tested on a million scales)."""
-    nearest = scale.to(torch.bfloat16).float()
-    above = (nearest * (1 + 2**-8 + 2**-16)).to(torch.bfloat16).float()
+# dtype -> (mantissa bits, smallest normal): for _round_up.
+_FLOAT_FORMATS = {torch.bfloat16: (7, 2.0**-126), torch.float16: (10, 2.0**-14)}
+
+
+def _round_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest value of ``dtype`` >= each (float32, >= 0) scale, as float32, in lazy float
+    ops (the C engine's bit trick needs a dtype view, which makes torch_xla run the pending graph,
+    and frexp / nextafter run on the CPU). Round to nearest; where that fell below, take the next
+    value up: with m mantissa bits, v * (1 + 2^-(m+1) + 2^-(2m+2)) lies more than half and less
+    than one step above a normal v (v = 2^e (1 + k/2^m): the step is 2^(e-m)), so rounding it to
+    nearest gives v + step; below the smallest normal the step is constant. Equal to the C
+    engine's rounding (tested on millions of scales)."""
+    if dtype == torch.float32:
+        return scale
+    mantissa, smallest_normal = _FLOAT_FORMATS[dtype]
+    nearest = scale.to(dtype).float()
+    above = (nearest * (1 + 2.0**-(mantissa + 1) + 2.0**-(2 * mantissa + 2))).to(dtype).float()
+    above = torch.where(nearest < smallest_normal, nearest + smallest_normal * 2.0**-mantissa, above)
     return torch.where(nearest < scale, above, nearest)
 
 
