@@ -280,9 +280,11 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
     if smoothing is not None:      # in float32: quantize the product, not a bf16 rounding of it
         w = smoothing.transform(t.name, w.float())
-    q = quantize_tensor(w, owner.quant_format, f"{t.name} (checkpoint tensor {key!r})")
-    del w
     prefix = t.name.rpartition(".")[0]
+    importance = report.importance(prefix) if report is not None else None   # calibration's
+    q = quantize_tensor(w, owner.quant_format, f"{t.name} (checkpoint tensor {key!r})",
+                        importance=importance)
+    del w
     if report is not None:
         report.record_stats(prefix, q)
     sent = 0

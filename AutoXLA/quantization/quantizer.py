@@ -59,6 +59,10 @@ class QuantizationReport:
             if why is not None:
                 self.skipped[name] = why
 
+    def importance(self, name: str):
+        """Calibration's per-input weights of layer ``name`` for a searching format, or None."""
+        return self.calibration.importance(name) if self.calibration is not None else None
+
     def notes(self) -> list[str]:
         """The lines the plan prints under its table: warnings, then calibration's summary."""
         return list(self.warnings) + (self.calibration.lines() if self.calibration else [])
@@ -269,16 +273,15 @@ class ModelQuantizer:
         from .calibration import CalibrationConfig
 
         cal = CalibrationConfig.from_any(calibration)
+        _refuse_stacked(model)
+        config, result = self.config, None
         if cal is not None:
             from . import sensitivity
 
-            _refuse_stacked(model)
             config, _, result = sensitivity.run(model, cal, self.config, tokenizer, tied, on_tpu)
-            ModelQuantizer(config).quantize_model(model, tied, on_tpu)
-            model.autoxla_quantization.attach_calibration(result)
-            return model
-        _refuse_stacked(model)
-        report = self.plan(model, tied, on_tpu)
+        report = ModelQuantizer(config).plan(model, tied, on_tpu)
+        if result is not None:     # before the swap: a searching format weighs by its importance
+            report.attach_calibration(result)
         report.bytes_before = _weight_bytes(model)
         with repointing_references(model):
             self._swap(model, report)
@@ -297,7 +300,8 @@ class ModelQuantizer:
             table = d.backend == GATHER
             new = _quantized_table_like(old, d) if table else _quantized_like(old, d)
             if old.weight.device.type != "meta":
-                q = quantize_tensor(old.weight.detach().cpu(), d.fmt, name)
+                q = quantize_tensor(old.weight.detach().cpu(), d.fmt, name,
+                                    importance=report.importance(name))
                 report.record_stats(name, q)
                 dev = old.weight.device
                 t = {k: v.to(dev) for k, v in stored_tensors(q).items()}

@@ -94,13 +94,26 @@ def fake_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / safe).clamp(-127, 127) * scale
 
 
+def _engine_weight(w: torch.Tensor, fmt: LayerFormat, importance) -> torch.Tensor:
+    from .linear import dequantize
+    from .quantizer import quantize_tensor
+
+    q = quantize_tensor(w.detach().cpu(), fmt, importance=importance, stats=False)
+    return dequantize(q.q, q.scale, q.zero_point, fmt, torch.float32, q.offset).to(w.device)
+
+
 class _Emulation:
     """Forward hooks that replace each planned linear's output by its emulated quantized output
     where its mode says so, and accumulate each layer's errors against the float output."""
 
-    def __init__(self, model: nn.Module, decisions: dict):
+    def __init__(self, model: nn.Module, decisions: dict, importances: dict | None = None):
         refuse_scanned(model)
         self.model, self.decisions = model, decisions
+        # The search and the float offset are not emulated: those layers' weights come from the
+        # C engine itself (quantized on the host once, dequantized, kept on the device).
+        modules = dict(model.named_modules())
+        self.exact = {n: _engine_weight(modules[n].weight, d.fmt, (importances or {}).get(n))
+                      for n, d in decisions.items() if d.fmt.search or d.fmt.offset}
         self.device = model_device(model)
         self.names = list(decisions)
         self.modes = None
@@ -117,7 +130,8 @@ class _Emulation:
 
         def hook(module, args, out):
             x = args[0]
-            w = fake_weight(module.weight, d.fmt).to(x.dtype)
+            w = self.exact.get(name)
+            w = (fake_weight(module.weight, d.fmt) if w is None else w).to(x.dtype)
             y_w = F.linear(x, w, module.bias)
             y_a = F.linear(fake_rows(x), w, module.bias) if d.activation_quant else y_w
             ref = out.float()
@@ -180,6 +194,12 @@ class CalibrationReport:
     float_activations: list[str] = field(default_factory=list)   # W8A8 -> W8A16 by the target
     kept_float: list[str] = field(default_factory=list)          # full precision by the target
     evaluations: int = 0
+    # E[x_j^2] of each planned layer's input as the quantized model sees it (after smoothing):
+    # the weighting of the C engine's scale search (QuantizationConfig(scale_search=True)).
+    importances: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def importance(self, name: str) -> torch.Tensor | None:
+        return self.importances.get(name)
 
     @property
     def error(self) -> float:
@@ -271,7 +291,8 @@ def run(model: nn.Module, cal: CalibrationConfig, config: QuantizationConfig, to
         smoothing = plan_smoothing(model, calibration, {n for n, d in decisions.items()
                                                         if d.activation_quant}, cal.alpha, tied_names)
         apply_smoothing(model, smoothing)
-    with _Emulation(model, decisions) as emu:
+    importances = _importances(calibration, smoothing, decisions)
+    with _Emulation(model, decisions, importances) as emu:
         float_nll = emu.token_nll(ids, {})
         errors = emu.take_errors()
         if smoothing is not None:
@@ -280,10 +301,23 @@ def run(model: nn.Module, cal: CalibrationConfig, config: QuantizationConfig, to
         q_ppl = _ppl(emu.token_nll(ids, plan_modes))
         f_ppl = _ppl(float_nll)
         report = CalibrationReport(ids.numel(), {n: LayerSensitivity(*e) for n, e in errors.items()},
-                                   f_ppl, q_ppl, q_ppl, cal.target, smoothing, evaluations=2)
+                                   f_ppl, q_ppl, q_ppl, cal.target, smoothing, evaluations=2,
+                                   importances=importances)
         if cal.target is not None and q_ppl / f_ppl - 1 > cal.target:
             _search(emu, ids, plan_modes, report)
     return report.apply(config), smoothing, report
+
+
+def _importances(calibration: Calibration, smoothing: Smoothing | None, decisions: dict
+                 ) -> dict[str, torch.Tensor]:
+    """Each planned layer's E[x_j^2]; a smoothed layer reads x / s, so E[x_j^2] / s_j^2."""
+    scales = {c: g.scale for g in (smoothing.groups if smoothing else []) for c in g.consumers}
+    out = {}
+    for name in decisions:
+        if name in calibration.layers:
+            ms = calibration.importance(name)
+            out[name] = ms / scales[name].pow(2) if name in scales else ms
+    return out
 
 
 def _ppl(nll: torch.Tensor) -> float:

@@ -199,6 +199,24 @@ def test_auto_exclusion_meets_its_target_and_says_so(float_model, tokens):
     assert model.autoxla_quantization.config.float_activation_layers == report.float_activations
 
 
+@pytest.mark.parametrize("cfg", [
+    QuantizationConfig(quantize_activation=True, scale_search=True),
+    QuantizationConfig(symmetric=False, zero_point="float", quantize_activation=True)],
+    ids=["search", "float-offset"])
+def test_emulation_of_formats_it_cannot_compute_is_the_c_engines(cfg, float_model, tokens):
+    # The scale search (weighted by calibration's importance, after smoothing) and the float
+    # offset are taken from the C engine itself: the emulated perplexity is the real model's.
+    calib, _ = tokens
+    model = _quiet(ModelQuantizer(cfg).quantize_model, copy.deepcopy(float_model),
+                   calibration=CalibrationConfig(data=calib))
+    report = model.autoxla_quantization.calibration
+    with torch.no_grad():
+        real = math.exp(float(token_nll(model, calib).double().mean()))
+    assert real / report.float_perplexity - 1 == pytest.approx(
+        report.quantized_perplexity / report.float_perplexity - 1, abs=1e-5)
+    assert report.importance("model.layers.0.self_attn.q_proj") is not None
+
+
 def test_from_pretrained_calibration_keyword(outlier_checkpoint, float_model, tokens, tmp_path,
                                             xla_devices):
     # target=0: nothing may be worse than float on the calibration tokens, so the search has to
