@@ -306,8 +306,9 @@ AXL_API int axl_dequantize(const void *q, const void *scales, int scale_dtype,
  * scheme (a symmetric block may then use -8 / -128 and store a negative scale); for each,
  * the least-squares scale (and offset, AXL_Q_OFFSET) of those levels under the importance
  * weights, rounded to NEAREST scale_dtype; the candidate with the lowest weighted squared
- * error (ranked from float sums in 16 lanes, position in block % 16) is then measured
- * exactly, sum imp[k] * ((double)x - (double)y)^2 in 16 double lanes, against the plain
+ * error (predicted in double from its fp32 sums, each summed in element order) is then
+ * measured exactly, sum imp[k] * ((double)x - (double)y)^2 in 16 double lanes (position in
+ * block % 16, the lanes added as a fixed tree: halves, quarters, eighths), against the plain
  * (absmax / min-max) result, and kept only if below (1 - 2^-30) times the plain one's error,
  * so a searched block is never worse than the plain one in float64 whatever the summation
  * order (for blocks below 2^21 elements); ties and near-ties keep the plain result, bit for
