@@ -115,8 +115,9 @@ def _q4_1_exact_fraction(path) -> float:
 def _goals(table) -> list[str]:
     from AutoXLA.evaluation.formats import AUTOXLA, LLAMA_CPP
 
-    ours = [r for r in table.results if r.format.kind == AUTOXLA]
-    theirs = [r for r in table.results if r.format.kind == LLAMA_CPP]
+    done = [r for r in table.results if not math.isnan(r.value)]
+    ours = [r for r in done if r.format.kind == AUTOXLA]
+    theirs = [r for r in done if r.format.kind == LLAMA_CPP]
     lines = []
     for r in ours:
         if r.format.config.get("quantize_activation"):
@@ -157,7 +158,7 @@ def main() -> int:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     _check_llama_cpp_path(path)
     t0 = time.perf_counter()
-    table = evaluate(path, args.formats.split(","), strategy=args.strategy,
+    table = evaluate(path, args.formats.split(","), strategy=args.strategy, keep_going=True,
                      max_tokens=args.max_tokens, window=args.window,
                      log=lambda m: print(m, flush=True))
     seconds = time.perf_counter() - t0

@@ -28,6 +28,7 @@ class Result:
     eval_seconds: float = 0.0    # the forwards
     details: dict = field(default_factory=dict)   # vision: SQNR of each output
     notes: list[str] = field(default_factory=list)
+    base: object = field(default=None, repr=False)   # what the float row gives the others
 
 
 @dataclass
@@ -46,11 +47,13 @@ class Evaluation:
     def rows(self) -> list[tuple[str, ...]]:
         if self.kind == CAUSAL:
             head = ("format", "bytes/weight", "perplexity", "ratio to float")
-            body = [(r.format.name, f"{r.bytes_per_weight:.4f}", f"{r.value:.4f}",
+            body = [(r.format.name, "failed", "failed", "-") if math.isnan(r.value) else
+                    (r.format.name, f"{r.bytes_per_weight:.4f}", f"{r.value:.4f}",
                      "-" if r.ratio is None else f"{r.ratio:.4f}") for r in self.results]
         else:
             head = ("format", "bytes/weight", "worst output SQNR (dB)", "per output")
-            body = [(r.format.name, f"{r.bytes_per_weight:.4f}",
+            body = [(r.format.name, "failed", "failed", "") if math.isnan(r.value) else
+                    (r.format.name, f"{r.bytes_per_weight:.4f}",
                      "float" if r.format.kind == FLOAT else f"{r.value:.1f}",
                      "" if r.format.kind == FLOAT else
                      ", ".join(f"{k} {v:.1f}" for k, v in r.details.items()))
@@ -130,17 +133,19 @@ def _bytes_per_weight(model, fmt: Format) -> float:
 
 def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy: str = "2d",
              max_tokens: int | None = None, window: int | None = None, reference: bool = True,
-             log=None) -> Evaluation:
+             keep_going: bool = False, log=None) -> Evaluation:
     """Every format in ``formats`` (names or Format entries) loaded from ``path`` and measured;
     ``log(str)`` is told about each step. Causal LMs are scored on ``text``, else the file
     ``text_file``, else the text AutoXLA ships. The float model is evaluated first, as the
     reference of every ratio and SQNR; ``reference=False`` skips it (causal LMs only: the
-    perplexities alone, no ratios), which a test comparing formats with each other can afford."""
+    perplexities alone, no ratios), which a test comparing formats with each other can afford.
+    ``keep_going=True``: a format that cannot be built or run for this model is a row marked
+    failed (its error in the notes) instead of an exception, for long runs such as the bench."""
     from ..modeling.empty import load_config
-    from .formats import parse_formats
-    from .llama_cpp import gguf_type, reference_checkpoint
-    from .perplexity import DEFAULT_WINDOW, perplexity, read_text, token_windows
     from . import vision
+    from .formats import parse_formats
+    from .llama_cpp import gguf_type
+    from .perplexity import DEFAULT_WINDOW, read_text, token_windows
 
     log = log or (lambda _msg: None)
     if isinstance(formats, (str, Format)):
@@ -176,38 +181,57 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
     results: list[Result] = []
     base = None
     for fmt in fmts:
-        t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if fmt.kind == LLAMA_CPP:
-                with reference_checkpoint(path, fmt, auto_class) as ref:
-                    model = _load(ref.directory, kind, fmt, strategy)
-                    bpw = ref.bytes_per_weight
-            else:
-                model = _load(path, kind, fmt, strategy)
-                bpw = _bytes_per_weight(model, fmt)
-            t1 = time.perf_counter()
-            if kind == CAUSAL:
-                value = perplexity(model, windows)
-                base = value if base is None and fmt.kind == FLOAT else base
-                result = Result(fmt, bpw, value, value / base if base else None)
-            else:
-                out = vision.outputs(model, family, inputs)
-                base = out if base is None else base
-                details = {k: vision.sqnr_db(v, base[k]) for k, v in out.items()}
-                result = Result(fmt, bpw, min(details.values()), details=details)
-        result.seconds, result.eval_seconds = t1 - t0, time.perf_counter() - t1
-        result.notes = list(dict.fromkeys(str(w.message) for w in caught
-                                          if _worth_noting(w, fmt)))
+        try:
+            result = _one(path, kind, fmt, strategy, auto_class, windows,
+                          (family, inputs) if kind == VISION else None, base)
+        except Exception as e:  # noqa: BLE001 - reported in the table when asked to go on
+            if not keep_going or fmt.kind == FLOAT:
+                raise
+            result = Result(fmt, math.nan, math.nan, notes=[f"failed: {type(e).__name__}: {e}"])
+        if fmt.kind == FLOAT:
+            base = result.base
         results.append(result)
         log(f"{fmt.name}: {'perplexity' if kind == CAUSAL else 'SQNR'} {result.value:.4f} "
             f"(built and loaded in {result.seconds:.1f} s, evaluated in "
             f"{result.eval_seconds:.1f} s)")
-        del model
         gc.collect()
     return Evaluation(str(path), model_kind_name(config, auto_class), kind, strategy, results,
                       windows.tokens if windows is not None else 0,
                       windows.ids.shape[1] if windows is not None else 0)
+
+
+def _one(path, kind, fmt, strategy, auto_class, windows, vision_input, base) -> Result:
+    """Build, load and measure one format. ``base``: the float model's perplexity or outputs
+    (None for the float model itself, or without a reference)."""
+    from . import vision
+    from .llama_cpp import reference_checkpoint
+    from .perplexity import perplexity
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if fmt.kind == LLAMA_CPP:
+            with reference_checkpoint(path, fmt, auto_class) as ref:
+                model = _load(ref.directory, kind, fmt, strategy)
+                bpw = ref.bytes_per_weight
+        else:
+            model = _load(path, kind, fmt, strategy)
+            bpw = _bytes_per_weight(model, fmt)
+        t1 = time.perf_counter()
+        if kind == CAUSAL:
+            value = perplexity(model, windows)
+            result = Result(fmt, bpw, value, value / base if base else
+                            (1.0 if fmt.kind == FLOAT else None), base=value)
+        else:
+            family, inputs = vision_input
+            out = vision.outputs(model, family, inputs)
+            ref_out = out if base is None else base
+            details = {k: vision.sqnr_db(v, ref_out[k]) for k, v in out.items()}
+            result = Result(fmt, bpw, min(details.values()), details=details, base=out)
+        del model
+    result.seconds, result.eval_seconds = t1 - t0, time.perf_counter() - t1
+    result.notes = list(dict.fromkeys(str(w.message) for w in caught if _worth_noting(w, fmt)))
+    return result
 
 
 def model_kind_name(config, auto_class) -> str:
