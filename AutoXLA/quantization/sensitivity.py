@@ -1,8 +1,9 @@
 """Per-layer sensitivity to quantization, and auto-exclusion, measured on the calibration tokens.
 
-Each planned linear is emulated on its device by a forward hook (fake quantization: its weight
-as the C engine quantizes it, and for W8A8 int8 activations per row with scale absmax / 127, as
-torch.ops.xla.quantized_matmul computes them). On the float model's own inputs this gives each
+Each planned linear is emulated on its device by a forward hook: its weight as the C engine
+quantizes it (quantized once on the host, kept on the device in its stored form, dequantized in
+the graph), and for W8A8 int8 activations per row with scale absmax / 127, as
+torch.ops.xla.quantized_matmul computes them. On the float model's own inputs this gives each
 layer's output SQNR as planned and with float activations. The model-level error is the relative
 perplexity increase on the calibration tokens with every layer emulated as chosen; each layer's
 choice (float, weights only, weights and activations) is a device tensor, so one compiled graph
@@ -26,7 +27,9 @@ from torch import nn
 
 from .calibration import (Calibration, CalibrationConfig, check_ids, collect, layer_by_layer,
                           model_device, read_back, refuse_scanned, token_batch, token_nll)
-from .config import LayerFormat, QuantizationConfig
+from .config import QuantizationConfig
+from .linear import dequantize, stored_tensors
+from .quantizer import quantize_tensor
 from .smoothing import Smoothing, apply_smoothing, plan_smoothing
 
 FLOAT, WEIGHTS, ACTIVATIONS = 0, 1, 2     # full precision; quantized weight; W8A8
@@ -38,55 +41,6 @@ _CHECK_MEAN_NLL = {torch.float32: 1e-3, torch.float64: 1e-3}
 _CHECK_MEAN_NLL_16BIT = 2e-2
 
 
-def fake_weight(w: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
-    """``w`` (out, in) quantized and dequantized in ``fmt`` on its device, float32, with the C
-    engine's arithmetic (csrc/src/quant_ref.c): the float32 scale rounded up to the scale dtype,
-    the values multiplied by its reciprocal, rounded half to even and clamped; a zero block stays
-    0. A ragged last block is padded with zeros, which change no block's range."""
-    qmax = 127 if fmt.bits == 8 else 7
-    qmin = -qmax if fmt.symmetric else -qmax - 1
-    x = w.detach().float()
-    pad = fmt.groups * fmt.block_size - fmt.in_features
-    if pad:
-        x = F.pad(x, (0, pad))
-    x = x.reshape(fmt.out_features, fmt.groups, fmt.block_size)
-    if fmt.symmetric:
-        scale = x.abs().amax(-1, keepdim=True) / qmax
-    else:
-        lo = x.amin(-1, keepdim=True).clamp(max=0)
-        scale = (x.amax(-1, keepdim=True).clamp(min=0) - lo) / (qmax - qmin)
-    scale = _round_up(scale, fmt.torch_scale_dtype)
-    inv = torch.ones_like(scale) / scale
-    zero = torch.isinf(inv)
-    scale = torch.where(zero, torch.zeros_like(scale), scale)
-    inv = torch.where(zero, torch.zeros_like(inv), inv)
-    zp = 0 if fmt.symmetric else torch.where(zero, torch.zeros_like(lo),
-                                             (qmin - torch.round(lo * inv)).clamp(qmin, qmax))
-    q = (torch.round(x * inv) + zp).clamp(qmin, qmax)
-    return ((q - zp) * scale).reshape(fmt.out_features, -1)[:, :fmt.in_features]
-
-
-# dtype -> (mantissa bits, smallest normal): for _round_up.
-_FLOAT_FORMATS = {torch.bfloat16: (7, 2.0**-126), torch.float16: (10, 2.0**-14)}
-
-
-def _round_up(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The smallest value of ``dtype`` >= each (float32, >= 0) scale, as float32, in lazy float
-    ops (the C engine's bit trick needs a dtype view, which makes torch_xla run the pending graph,
-    and frexp / nextafter run on the CPU). Round to nearest; where that fell below, take the next
-    value up: with m mantissa bits, v * (1 + 2^-(m+1) + 2^-(2m+2)) lies more than half and less
-    than one step above a normal v (v = 2^e (1 + k/2^m): the step is 2^(e-m)), so rounding it to
-    nearest gives v + step; below the smallest normal the step is constant. Equal to the C
-    engine's rounding (tested on millions of scales)."""
-    if dtype == torch.float32:
-        return scale
-    mantissa, smallest_normal = _FLOAT_FORMATS[dtype]
-    nearest = scale.to(dtype).float()
-    above = (nearest * (1 + 2.0**-(mantissa + 1) + 2.0**-(2 * mantissa + 2))).to(dtype).float()
-    above = torch.where(nearest < smallest_normal, nearest + smallest_normal * 2.0**-mantissa, above)
-    return torch.where(nearest < scale, above, nearest)
-
-
 def fake_rows(x: torch.Tensor) -> torch.Tensor:
     """Dynamic per-row int8 activations: scale = max|row| / 127 in x's dtype, round, rescale."""
     scale = x.abs().amax(-1, keepdim=True) / 127
@@ -94,12 +48,24 @@ def fake_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / safe).clamp(-127, 127) * scale
 
 
-def _engine_weight(w: torch.Tensor, fmt: LayerFormat, importance) -> torch.Tensor:
-    from .linear import dequantize
-    from .quantizer import quantize_tensor
+class _EngineWeights:
+    """Each planned linear's weight as the C engine quantizes it (the same call and importance the
+    real load makes, so the emulation is the real model bit for bit, whatever the format): its
+    stored tensors, quantized on the host once and kept on the device (0.5-1 byte per weight),
+    dequantized inside each step's graph by the same function the fallback backend runs."""
 
-    q = quantize_tensor(w.detach().cpu(), fmt, importance=importance, stats=False)
-    return dequantize(q.q, q.scale, q.zero_point, fmt, torch.float32, q.offset).to(w.device)
+    def __init__(self, modules: dict, decisions: dict, importances: dict):
+        self.formats = {n: d.fmt for n, d in decisions.items()}
+        self.stored = {}
+        for n, fmt in self.formats.items():
+            w = modules[n].weight
+            q = quantize_tensor(w.detach().cpu(), fmt, n, stats=False, importance=importances.get(n))
+            self.stored[n] = {k: v.to(w.device) for k, v in stored_tensors(q).items()}
+
+    def weight(self, name: str) -> torch.Tensor:
+        t = self.stored[name]
+        return dequantize(t["weight"], t["weight_scale"], t.get("weight_zero_point"),
+                          self.formats[name], torch.float32, t.get("weight_offset"))
 
 
 class _Emulation:
@@ -109,11 +75,7 @@ class _Emulation:
     def __init__(self, model: nn.Module, decisions: dict, importances: dict | None = None):
         refuse_scanned(model)
         self.model, self.decisions = model, decisions
-        # The search and the float offset are not emulated: those layers' weights come from the
-        # C engine itself (quantized on the host once, dequantized, kept on the device).
-        modules = dict(model.named_modules())
-        self.exact = {n: _engine_weight(modules[n].weight, d.fmt, (importances or {}).get(n))
-                      for n, d in decisions.items() if d.fmt.search or d.fmt.offset}
+        self.weights = _EngineWeights(dict(model.named_modules()), decisions, importances or {})
         self.device = model_device(model)
         self.names = list(decisions)
         self.modes = None
@@ -130,8 +92,7 @@ class _Emulation:
 
         def hook(module, args, out):
             x = args[0]
-            w = self.exact.get(name)
-            w = (fake_weight(module.weight, d.fmt) if w is None else w).to(x.dtype)
+            w = self.weights.weight(name).to(x.dtype)
             y_w = F.linear(x, w, module.bias)
             y_a = F.linear(fake_rows(x), w, module.bias) if d.activation_quant else y_w
             ref = out.float()
