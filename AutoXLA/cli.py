@@ -80,7 +80,7 @@ def _cmd_plan(args) -> int:
 
         qcfg = QuantizationConfig(n_bits=args.bits, block_size=args.block_size,
                                   symmetric=not args.asym)
-    elif args.block_size != -1 or args.asym:
+    elif args.block_size is not None or args.asym:
         raise ValueError("--block-size and --asym describe quantization: add --bits 8 or --bits 4")
     plan = plan_from_config(args.path, args.strategy, args.devices, args.dtype, qcfg,
                             on_tpu=not args.cpu, scan_layers=not args.no_scan)
@@ -167,7 +167,8 @@ def _main(argv) -> int:
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--bits", type=int, default=None, help="plan int8 (8) or int4 (4) linears")
-    p.add_argument("--block-size", type=int, default=-1, help="elements per scale (-1: per channel)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="elements per scale (-1: per channel; default: 32 for int4, -1 for int8)")
     p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
     p.add_argument("--cpu", action="store_true", help="choose matmul backends as off a TPU")
     p.add_argument("--batch", type=int, default=None, help="with --max-len: plan the KV cache")

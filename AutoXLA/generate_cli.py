@@ -17,7 +17,8 @@ def add_arguments(p) -> None:
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices off a TPU (default 8)")
     p.add_argument("--dtype", default="auto", help="bf16, fp16, fp32 or auto (the checkpoint's)")
     p.add_argument("--bits", type=int, default=None, help="quantize linears to int8 (8) or int4 (4)")
-    p.add_argument("--block-size", type=int, default=-1, help="elements per scale (-1: per channel)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="elements per scale (-1: per channel; default: 32 for int4, -1 for int8)")
     p.add_argument("--attention", default="eager",
                    help="eager, xla_flash_attention or splash_attention (default eager)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -8,7 +8,8 @@ through the same loader and the same evaluator, evaluation/run.py):
 - ``llama_cpp(...)``: a gguf.quants type (llama.cpp's reference quantizers): the same linears
   AutoXLA would quantize are quantized and dequantized by gguf, written into a float checkpoint
   and loaded as float (evaluation/llama_cpp.py).
-A new format is one more line in FORMATS.
+A new format is one more line in FORMATS. Each entry names every keyword that decides its format
+(block_size, scale_search), so a change of QuantizationConfig's defaults cannot change a row.
 """
 from __future__ import annotations
 
@@ -53,33 +54,35 @@ FORMATS = {f.name: f for f in (
             scale_search=True),
     autoxla("w8a8-smooth", "w8a8 after SmoothQuant, calibrated on AutoXLA's calibration text",
             load={"calibration": True}, bits=8, quantize_activation=True),
-    autoxla("int4-pc", "int4 per-channel symmetric", bits=4),
+    autoxla("int4-pc", "int4 per-channel symmetric", bits=4, block_size=-1, scale_search=False),
     autoxla("int4-pc-asym", "int4 per-channel with an int8 zero point per row", bits=4,
-            symmetric=False),
-    autoxla("int4-b32", "int4 blocks of 32, symmetric (bytes of Q4_0)", bits=4, block_size=32),
+            symmetric=False, block_size=-1, scale_search=False),
+    autoxla("int4-b32", "int4 blocks of 32, symmetric (bytes of Q4_0)", bits=4, block_size=32,
+            scale_search=False),
     autoxla("int4-b32-asym", "int4 blocks of 32, int8 zero point per block", bits=4,
-            block_size=32, symmetric=False),
+            block_size=32, symmetric=False, scale_search=False),
     autoxla("int4-b32-search", "int4-b32 with the error-minimising scale search", bits=4,
             block_size=32, scale_search=True),
     autoxla("int4-b32-asym-search", "int4-b32-asym with the scale search", bits=4,
             block_size=32, symmetric=False, scale_search=True),
     autoxla("int4-b32-offset", "int4 blocks of 32, fp16 scale and fp16 float offset (Q4_1's "
             "layout and bytes)", bits=4, block_size=32, symmetric=False, zero_point="float",
-            scale_dtype="float16"),
+            scale_dtype="float16", scale_search=False),
     autoxla("int4-b32-offset-search", "int4-b32-offset with the scale search", bits=4,
             block_size=32, symmetric=False, zero_point="float", scale_dtype="float16",
             scale_search=True),
     autoxla("int4-b32-search-fp16", "int4-b32-search with float16 scales (bytes of Q4_0)", bits=4,
             block_size=32, scale_search=True, scale_dtype="float16"),
-    autoxla("int4-pc-search", "int4 per-channel with the scale search", bits=4, scale_search=True),
-    autoxla("int4-b64", "int4 blocks of 64, symmetric", bits=4, block_size=64),
+    autoxla("int4-pc-search", "int4 per-channel with the scale search", bits=4, block_size=-1,
+            scale_search=True),
+    autoxla("int4-b64", "int4 blocks of 64, symmetric", bits=4, block_size=64, scale_search=False),
     autoxla("int4-b64-offset-search", "int4 blocks of 64, float scale and offset, searched "
             "(bytes of Q4_0)", bits=4, block_size=64, symmetric=False, zero_point="float",
             scale_search=True),
     autoxla("int4-b64-asym", "int4 blocks of 64, int8 zero point per block", bits=4,
-            block_size=64, symmetric=False),
+            block_size=64, symmetric=False, scale_search=False),
     autoxla("int4-b128", "int4 blocks of 128 (a ragged last block where 128 does not divide)",
-            bits=4, block_size=128),
+            bits=4, block_size=128, scale_search=False),
     llama_cpp("Q8_0", "llama.cpp: blocks of 32 int8, fp16 scale"),
     llama_cpp("Q5_0", "llama.cpp: blocks of 32 5-bit, fp16 scale"),
     llama_cpp("Q5_1", "llama.cpp: blocks of 32 5-bit, fp16 scale and fp16 minimum"),

@@ -32,6 +32,10 @@ ZERO_POINTS = ("int8", "float")
 # that is a multiple of 32 (nearly every model's hidden and intermediate sizes); a width it does
 # not divide gets a shorter last block (ragged), like any other block size.
 DEFAULT_BLOCK = 32
+# block_size not given: int8 per-channel (as accurate as Q8_0 at fewer bytes); int4 in blocks of
+# 32 with the scale search, the int4 format that beat every other at Q4_0's bytes
+# (docs/benchmarks.md, "Quantization accuracy"; per-channel int4 is 1.8-2.2x float perplexity).
+DEFAULT_BLOCK_FOR_BITS = {8: -1, 4: DEFAULT_BLOCK}
 
 # Keywords of the original AutoXLA that change nothing here: each warns once per process.
 _WARNED: set[str] = set()
@@ -111,7 +115,8 @@ class QuantizationConfig:
     """Weight quantization of a model's linear layers.
 
     n_bits: 8 or 4 (``bits`` is an alias: the seed uses both spellings).
-    block_size: -1 = one scale per output channel; else elements per scale along the input
+    block_size: None (default) = per n_bits: -1 for int8, 32 for int4 (docs/quantization.md,
+        "Which int4"); -1 = one scale per output channel; else elements per scale along the input
         dimension, any positive integer: where it does not divide a layer's input dimension the
         last block of each row is shorter (ragged), and where it is at least that dimension the
         layer has one block per row (per-channel).
@@ -120,8 +125,9 @@ class QuantizationConfig:
         offset per group in the scale dtype: y = q * scale + offset, like llama.cpp's Q4_1).
     scale_dtype: "bfloat16" (default), "float16" or "float32": how each scale is stored (the C
         engine rounds the float32 scale UP to it, so every value stays within half a step).
-    scale_search: the C engine's error-minimising search of each block's scale (and zero
-        point / offset) instead of absmax / min-max: never a larger squared error on any block;
+    scale_search: None (default) = on for int4, off for int8 (measured); True / False: the C
+        engine's error-minimising search of each block's scale (and zero point / offset)
+        instead of absmax / min-max: never a larger squared error on any block;
         weighted by the calibration's mean squared activations when calibration is given.
     quantize_activation: dynamic per-row int8 activations (W8A8) where the backend has them.
     use_pallas: None = the Pallas TPU kernel when running on a TPU; True = asked for it (a warning
@@ -144,11 +150,11 @@ class QuantizationConfig:
     """
 
     n_bits: int | None = None
-    block_size: int = -1
+    block_size: int | None = None
     symmetric: bool = True
     zero_point: str = "int8"
     scale_dtype: str = DEFAULT_SCALE_DTYPE
-    scale_search: bool = False
+    scale_search: bool | None = None
     quantize_activation: bool = False
     use_pallas: bool | None = None
     exclude_layers: list[str] = field(default_factory=list)
@@ -172,10 +178,13 @@ class QuantizationConfig:
             raise ValueError(f"n_bits={n_bits!r} is not supported; use 8 (int8) or 4 (int4)")
         self.n_bits = self.bits = int(n_bits)
         bs = self.block_size
-        if isinstance(bs, bool) or not isinstance(bs, int) or not (bs == -1 or bs >= 1):
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int)
+                               or not (bs == -1 or bs >= 1)):
             raise ValueError(f"block_size={bs!r} is not supported; use -1 (per-channel) or a "
                              "positive number of inputs per scale, e.g. 32 or 128")
         self._resolve_per_channel()
+        if self.scale_search is None:   # measured: the search helps every int4 format, not int8
+            self.scale_search = self.n_bits == 4
         if self.zero_point not in ZERO_POINTS:
             raise ValueError(f"zero_point={self.zero_point!r} is not supported; use 'int8' (an "
                              "int8 zero point per group) or 'float' (a float offset per group)")
@@ -216,6 +225,9 @@ class QuantizationConfig:
         pc = self.per_channel
         if pc not in (None, True, False):
             raise ValueError(f"per_channel must be True, False or None (follow block_size), got {pc!r}")
+        if self.block_size is None:      # not given: per_channel decides, else the bits' default
+            self.block_size = (-1 if pc is True else DEFAULT_BLOCK if pc is False
+                               else DEFAULT_BLOCK_FOR_BITS[self.n_bits])
         self._default_block = pc is False and self.block_size == -1
         if pc is True and self.block_size != -1:
             raise ValueError(f"per_channel=True contradicts block_size={self.block_size} (one scale "
@@ -291,6 +303,10 @@ class QuantizationConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown quantization_config keys {unknown}; valid keys: {sorted(known)}")
+        # Saved only when on (to_dict): a dict without it was not searched, whatever the bits'
+        # default now is; block_size is always saved.
+        d.setdefault("scale_search", False)
+        d.setdefault("block_size", -1)
         return cls(**d)
 
     def same_weights_as(self, other: "QuantizationConfig") -> bool:

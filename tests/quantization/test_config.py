@@ -38,7 +38,7 @@ def test_invalid_values_name_value_and_fix(kwargs, match):
 
 
 def test_any_block_size_fits_any_layer():
-    cfg = QuantizationConfig(n_bits=4, block_size=64)
+    cfg = QuantizationConfig(n_bits=4, block_size=64, scale_search=False)
     even = cfg.layer_format("a", 128, 8)
     assert (even.groups, even.ragged, even.label) == (2, False, "int4 block 64 sym")
     ragged = cfg.layer_format("model.layers.0.mlp.down_proj", 96, 8)   # 64 + a last block of 32
@@ -51,7 +51,8 @@ def test_any_block_size_fits_any_layer():
 
 
 def test_layer_format_shapes():
-    f = QuantizationConfig(n_bits=4).layer_format("x", 77, 5)   # odd input: last nibble padded
+    # An odd input: the last nibble is padded.
+    f = QuantizationConfig(n_bits=4, block_size=-1).layer_format("x", 77, 5)
     assert f.per_channel and f.q_shape == (5, 39) and f.scale_shape == (5, 1)
     f = QuantizationConfig(n_bits=8, block_size=32, symmetric=False).layer_format("x", 96, 5)
     assert f.q_shape == (5, 96) and f.scale_shape == (5, 3) and f.label == "int8 block 32 asym"
@@ -69,7 +70,7 @@ def test_exclude_patterns():
 
 def test_dict_round_trip_and_version():
     cfg = QuantizationConfig(n_bits=4, block_size=64, symmetric=False, exclude_layers=["x"],
-                             quantize_activation=True, backend="fallback")
+                             quantize_activation=True, backend="fallback", scale_search=False)
     d = cfg.to_dict()
     assert d["quant_method"] == "autoxla" and d["format_version"] == FORMAT_VERSION
     assert "bits" not in d and d["n_bits"] == 4
@@ -103,7 +104,7 @@ def test_cli_plans_quantized_tensors_without_torch_xla(checkpoints, tmp_path):
     q = next(line for line in lines if line.startswith("model.layers.0.mlp.down_proj.weight "))
     # int4 packed: (64, 128) float becomes (64, 64) bytes; on a TPU int4 runs on Pallas only when
     # symmetric, so this asymmetric layer takes the fallback.
-    assert "64x64" in q and "uint8" in q and "int4 block 64 asym via fallback" in q
+    assert "64x64" in q and "uint8" in q and "int4 block 64 asym, searched via fallback" in q
     assert any(line.startswith("model.layers.0.mlp.down_proj.weight_zero_point ") for line in lines)
     assert "14 linear(s) quantized" in out.stdout
 
@@ -115,3 +116,19 @@ def test_cli_quantization_flags_need_bits(capsys, checkpoints):
     assert "add --bits 8 or --bits 4" in capsys.readouterr().err
     assert main(["plan", str(checkpoints["llama"]), "--bits", "3"]) == 2
     assert "n_bits=3" in capsys.readouterr().err
+
+
+def test_bits_decide_the_default_format():
+    # Issue 14: int4 defaults to the format that won at Q4_0's bytes (blocks of 32, searched);
+    # int8 stays per-channel absmax. Stated keywords always win, and a saved dict without
+    # scale_search (written before the default) reads back unsearched.
+    int4, int8 = QuantizationConfig(bits=4), QuantizationConfig(bits=8)
+    assert (int4.block_size, int4.scale_search) == (32, True)
+    assert (int8.block_size, int8.scale_search) == (-1, False)
+    assert int4.layer_format("x", 64, 2).label == "int4 block 32 sym, searched"
+    pc = QuantizationConfig(bits=4, block_size=-1, scale_search=False)
+    assert pc.layer_format("x", 64, 2).label == "int4 per-channel sym"
+    assert QuantizationConfig(bits=4, per_channel=True).block_size == -1
+    old = QuantizationConfig.from_dict({"n_bits": 4, "block_size": 64, "symmetric": True})
+    assert old.scale_search is False and old.to_dict()["format_version"] == FORMAT_VERSION
+    assert QuantizationConfig.from_dict(int4.to_dict()) == int4

@@ -31,7 +31,7 @@ def test_scale_dtype_is_validated_and_saved_only_when_not_the_default():
     assert d["scale_dtype"] == "float16" and d["format_version"] == 3
     assert QuantizationConfig.from_dict(d).scale_dtype == "float16"
     fmt = QuantizationConfig(bits=4, block_size=32, scale_dtype="float16").layer_format("x", 64, 2)
-    assert fmt.label == "int4 block 32 sym, float16 scales"
+    assert fmt.label == "int4 block 32 sym, float16 scales, searched"
     assert fmt.torch_scale_dtype is torch.float16
 
 
@@ -110,7 +110,8 @@ def _weight_error(model, path) -> float:
 
 def test_float_offset_and_search_load_sharded(checkpoints, batch, tmp_path, xla_devices):
     path, c = checkpoints["llama"], ckpt.locate(checkpoints["llama"])
-    plain = QuantizationConfig(bits=4, block_size=32, symmetric=False, zero_point="float")
+    plain = QuantizationConfig(bits=4, block_size=32, symmetric=False, zero_point="float",
+                               scale_search=False)
     searched = QuantizationConfig(bits=4, block_size=32, symmetric=False, zero_point="float",
                                   scale_search=True)
     models = {"plain": _loaded(path, plain), "searched": _loaded(path, searched)}

@@ -129,9 +129,9 @@ def test_backend_preference(bits, block, sym, on_tpu, use_pallas, expected):
 
 
 def test_explicit_backend_that_cannot_run_is_an_error():
-    cfg = QuantizationConfig(n_bits=4, backend="xla_op")
+    cfg = QuantizationConfig(n_bits=4, block_size=-1, backend="xla_op")
     with pytest.raises(ValueError, match=r"backend='xla_op' cannot run layer 'mlp' \(int4 per-channel "
-                                         r"sym\): torch_xla's int4 path copies the weight to the host"):
+                                         r"sym, searched\): torch_xla's int4 path copies the weight"):
         choose(cfg.layer_format("mlp", 64, 8), cfg, on_tpu=False, layer="mlp")
     cfg = QuantizationConfig(n_bits=8, backend="pallas")
     with pytest.raises(ValueError, match="runs only on a TPU"):

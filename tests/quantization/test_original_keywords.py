@@ -56,7 +56,7 @@ def test_saved_configs_stay_version_1_unless_tables_are_quantized():
     assert loaded.quantize_embeddings is False and loaded.use_xla_kernel is True
     assert loaded.to_dict() == old                        # and it is written back the same
     # per_channel is folded into block_size; pack_4bit and auto_tune_block_sizes store nothing.
-    d = QuantizationConfig(per_channel=False, n_bits=4).to_dict()
+    d = QuantizationConfig(per_channel=False, n_bits=4, scale_search=False).to_dict()
     assert set(d) == V1_KEYS and d["block_size"] == 32 and d["format_version"] == FORMAT_VERSION
     new = QuantizationConfig(quantize_embeddings=True, use_xla_kernel=False)
     d = new.to_dict()
@@ -110,7 +110,8 @@ def test_the_pallas_kernel_picks_its_own_block_sizes():
     (quantize_llm, dict(n_bits=4, block_size=64, symmetric=False),
      QuantizationConfig(n_bits=4, block_size=64, symmetric=False, use_pallas=False)),
     (quantize_llm_int8, {}, QuantizationConfig(n_bits=8, quantize_activation=True, use_pallas=False)),
-    (quantize_llm_int4, {}, QuantizationConfig(n_bits=4, quantize_activation=True, use_pallas=False)),
+    (quantize_llm_int4, {}, QuantizationConfig(n_bits=4, block_size=-1, quantize_activation=True,
+                                               use_pallas=False)),
     (quantize_llm_blockwise, dict(block_size=64),
      QuantizationConfig(n_bits=4, block_size=64, use_pallas=False)),
 ], ids=["quantize_llm", "int8", "int4", "blockwise"])

@@ -105,7 +105,8 @@ def test_ragged_blocks_stay_within_half_a_step():
     model = Toy()
     weights = {n: m.weight.detach().clone() for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and n != "lm_head"}
-    _quiet(ModelQuantizer(QuantizationConfig(n_bits=4, block_size=24)).quantize_model, model)
+    cfg = QuantizationConfig(n_bits=4, block_size=24, scale_search=False)   # the bound is absmax's
+    _quiet(ModelQuantizer(cfg).quantize_model, model)
     for name, w in weights.items():
         layer = model.get_submodule(name)
         cols = w.shape[1]

@@ -61,7 +61,9 @@ def test_width_200_in_blocks_of_32_loads_sharded(bits, sym, strategy, wide_llama
     linears = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert len(linears) == 14
     for name, m in linears.items():
-        assert m.quant_format.label == f"int{bits} block 32 (last 8) {'sym' if sym else 'asym'}"
+        searched = ", searched" if bits == 4 else ""          # int4's default (test_config.py)
+        kind = "sym" if sym else "asym"
+        assert m.quant_format.label == f"int{bits} block 32 (last 8) {kind}{searched}"
         assert tuple(m.weight_scale.shape) == (m.out_features, 7)
         q = quantize_tensor(read_whole(c.records[f"{name}.weight"]), m.quant_format)
         assert torch.equal(m.weight.cpu(), q.q) and torch.equal(m.weight_scale.cpu(), q.scale)
@@ -88,6 +90,6 @@ def test_ragged_checkpoint_saves_and_reloads(wide_llama, batch, tmp_path, xla_de
         b = again(input_ids=ids, attention_mask=mask).logits.cpu()
     assert_close(b, a, what="ragged int4 saved and reloaded")
     m = again.get_submodule("model.layers.1.mlp.down_proj")
-    assert m.quant_format.label == "int4 block 48 (last 8) asym"
+    assert m.quant_format.label == "int4 block 48 (last 8) asym, searched"
     assert torch.equal(m.weight_scale.cpu(),
                        model.get_submodule("model.layers.1.mlp.down_proj").weight_scale.cpu())

@@ -13,7 +13,7 @@ from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
 
-CFG = QuantizationConfig(n_bits=4, block_size=64, symmetric=False)
+CFG = QuantizationConfig(n_bits=4, block_size=64, symmetric=False, scale_search=False)  # version 1
 
 
 def _load(path, **kw):
