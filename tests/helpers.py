@@ -111,3 +111,18 @@ def _unwrapped_named_parameters(module):
         yield name.replace("_orig_module.", ""), p
     for name, b in module.named_buffers(remove_duplicate=False):
         yield name.replace("_orig_module.", ""), b
+
+
+def quiet(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with warnings silenced (use_pallas off a TPU, W8A8 on the fallback...)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """10 log10(sum ref^2 / sum (ref - out)^2), in float64."""
+    ref, out = ref.double(), out.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))

@@ -9,7 +9,6 @@ which stretch each row's int8 activation scale and flatten the other channels to
 """
 import copy
 import math
-import warnings
 
 import pytest
 import torch
@@ -24,19 +23,12 @@ from AutoXLA.quantization.smoothing import apply_smoothing, norm_folds, plan_smo
 from AutoXLA.sharding.mesh import MeshShape
 from AutoXLA.sharding.plan import build_plan
 
+from ..helpers import quiet, sqnr_db
+
 OUTLIERS, FACTOR = [3, 17, 40], 30.0
 W8A8 = QuantizationConfig(quantize_activation=True)
 
 
-def _sqnr_db(ref, out):
-    ref, out = ref.double(), out.double()
-    return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
-
-
-def _quiet(fn, *a, **k):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*a, **k)
 
 
 @pytest.fixture(scope="module")
@@ -156,10 +148,10 @@ def test_smoothquant_lowers_the_w8a8_error(float_model, tokens):
     calib, held_out = tokens
     with torch.no_grad():
         ref = float_model(held_out).logits
-        plain = _quiet(ModelQuantizer(W8A8).quantize_model, copy.deepcopy(float_model))
-        smooth = _quiet(ModelQuantizer(W8A8).quantize_model, copy.deepcopy(float_model),
+        plain = quiet(ModelQuantizer(W8A8).quantize_model, copy.deepcopy(float_model))
+        smooth = quiet(ModelQuantizer(W8A8).quantize_model, copy.deepcopy(float_model),
                         calibration=CalibrationConfig(data=calib))
-        sqnr_plain, sqnr_smooth = (_sqnr_db(ref, m(held_out).logits) for m in (plain, smooth))
+        sqnr_plain, sqnr_smooth = (sqnr_db(ref, m(held_out).logits) for m in (plain, smooth))
     assert all(m.quantize_activation for m in smooth.modules() if isinstance(m, QuantizedLinear))
     report = smooth.autoxla_quantization.calibration
     assert report.smoothing is not None and len(report.smoothing.groups) == 6
@@ -172,7 +164,7 @@ def test_auto_exclusion_meets_its_target_and_says_so(float_model, tokens):
     calib, _ = tokens
     target = 0.002
     cal = CalibrationConfig(data=calib, smooth=False, target=target)
-    model = _quiet(ModelQuantizer(W8A8).quantize_model, copy.deepcopy(float_model), calibration=cal)
+    model = quiet(ModelQuantizer(W8A8).quantize_model, copy.deepcopy(float_model), calibration=cal)
     q = model.autoxla_quantization
     report = q.calibration
     assert report.quantized_perplexity / report.float_perplexity - 1 > target   # work to do
@@ -208,7 +200,7 @@ def test_emulated_perplexity_is_the_real_models(cfg, float_model, tokens):
     # Every layer's emulated weight is the C engine's own result (the same call, and for the
     # search the same importance, after smoothing): the emulated perplexity is the real model's.
     calib, _ = tokens
-    model = _quiet(ModelQuantizer(cfg).quantize_model, copy.deepcopy(float_model),
+    model = quiet(ModelQuantizer(cfg).quantize_model, copy.deepcopy(float_model),
                    calibration=CalibrationConfig(data=calib))
     report = model.autoxla_quantization.calibration
     with torch.no_grad():
@@ -223,7 +215,7 @@ def test_from_pretrained_calibration_keyword(outlier_checkpoint, float_model, to
     # target=0: nothing may be worse than float on the calibration tokens, so the search has to
     # keep layers in full precision (observed: 1 W8A16, 13 float); the plan lists them.
     calib, held_out = tokens
-    model = _quiet(AutoXLAModelForCausalLM.from_pretrained, outlier_checkpoint,
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, outlier_checkpoint,
                    sharding_strategy="2d", do_quant=True, quantization_config=W8A8,
                    calibration=CalibrationConfig(data=calib, target=0.0))
     q = model.autoxla_quantization

@@ -1,7 +1,6 @@
 """The quantization formats of issue 14 through the Python layers: scale dtypes (and, as they
 come, the error-minimising search and the float offset) in the config, the loaded layers, the
 plan and saving."""
-import warnings
 
 import pytest
 import torch
@@ -13,13 +12,8 @@ from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig, QuantizedLinear
 from AutoXLA.quantization.quantizer import quantize_tensor
 
-from ..helpers import assert_close
+from ..helpers import assert_close, quiet
 
-
-def _quiet(fn, *a, **k):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*a, **k)
 
 
 def test_scale_dtype_is_validated_and_saved_only_when_not_the_default():
@@ -54,7 +48,7 @@ def test_float16_scales_are_finer_than_bfloat16():
 def test_float16_scales_load_sharded_and_reload(checkpoints, batch, tmp_path, xla_devices):
     path = checkpoints["llama"]
     cfg = QuantizationConfig(bits=4, block_size=32, symmetric=False, scale_dtype="float16")
-    model = _quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy="2d",
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy="2d",
                    do_quant=True, quantization_config=cfg)
     c = ckpt.locate(path)
     name = "model.layers.0.self_attn.q_proj"
@@ -64,7 +58,7 @@ def test_float16_scales_load_sharded_and_reload(checkpoints, batch, tmp_path, xl
     assert torch.equal(m.weight_scale.cpu(), q.scale) and torch.equal(m.weight.cpu(), q.q)
     assert "float16 scales" in str(model.autoxla_plan)
     model.save_pretrained(tmp_path / "fp16")
-    again = _quiet(AutoXLAModelForCausalLM.from_pretrained, tmp_path / "fp16",
+    again = quiet(AutoXLAModelForCausalLM.from_pretrained, tmp_path / "fp16",
                    sharding_strategy="fsdp")
     assert again.get_submodule(name).weight_scale.dtype == torch.float16
     ids, mask = (t.to(backend.device()) for t in batch)
@@ -93,7 +87,7 @@ def test_zero_point_and_search_are_validated_and_saved():
 
 
 def _loaded(path, cfg, strategy="2d"):
-    return _quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy=strategy,
+    return quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy=strategy,
                   do_quant=True, quantization_config=cfg)
 
 
@@ -128,7 +122,7 @@ def test_float_offset_and_search_load_sharded(checkpoints, batch, tmp_path, xla_
     # whole model's weight error cannot be larger either; measured ~0.75x on this fixture.
     assert _weight_error(models["searched"], path) < _weight_error(models["plain"], path)
     models["searched"].save_pretrained(tmp_path / "searched")
-    again = _quiet(AutoXLAModelForCausalLM.from_pretrained, tmp_path / "searched",
+    again = quiet(AutoXLAModelForCausalLM.from_pretrained, tmp_path / "searched",
                    sharding_strategy="fsdp")
     ids, mask = (t.to(backend.device()) for t in batch)
     with torch.no_grad():

@@ -1,7 +1,6 @@
 """Ragged blocks (issue 14): a block size that does not divide a layer's width leaves a shorter
 last block, in the C engine, the plan, the sharded load, the forward and saving."""
 import copy
-import warnings
 
 import pytest
 import torch
@@ -13,15 +12,10 @@ from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import ModelQuantizer, QuantizationConfig, QuantizedLinear
 from AutoXLA.quantization.quantizer import quantize_tensor
 
-from ..helpers import assert_close, check_sharding_matches_plan
+from ..helpers import assert_close, check_sharding_matches_plan, quiet
 
 WIDTH = 200            # the issue's example: blocks of 32 leave a last block of 8
 
-
-def _quiet(fn, *a, **k):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*a, **k)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +38,9 @@ def test_width_200_in_blocks_of_32_loads_sharded(bits, sym, strategy, wide_llama
                                                  xla_devices):
     path, reference = wide_llama
     cfg = QuantizationConfig(n_bits=bits, block_size=32, symmetric=sym)
-    model = _quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy=strategy,
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy=strategy,
                    do_quant=True, quantization_config=cfg)
-    unsharded = _quiet(ModelQuantizer(cfg).quantize_model, copy.deepcopy(reference))
+    unsharded = quiet(ModelQuantizer(cfg).quantize_model, copy.deepcopy(reference))
     ids, mask = batch
     with torch.no_grad():
         out = model(input_ids=ids.to(backend.device()), attention_mask=mask.to(backend.device()))
@@ -79,10 +73,10 @@ def test_width_200_in_blocks_of_32_loads_sharded(bits, sym, strategy, wide_llama
 def test_ragged_checkpoint_saves_and_reloads(wide_llama, batch, tmp_path, xla_devices):
     path, _ = wide_llama
     cfg = QuantizationConfig(n_bits=4, block_size=48, symmetric=False)   # 4 x 48 + 8
-    model = _quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy="2d",
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, path, sharding_strategy="2d",
                    do_quant=True, quantization_config=cfg)
     model.save_pretrained(tmp_path / "saved")
-    again = _quiet(AutoXLAModelForCausalLM.from_pretrained, tmp_path / "saved",
+    again = quiet(AutoXLAModelForCausalLM.from_pretrained, tmp_path / "saved",
                    sharding_strategy="fsdp")
     ids, mask = (t.to(backend.device()) for t in batch)
     with torch.no_grad():
