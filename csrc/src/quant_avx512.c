@@ -895,7 +895,9 @@ AXL_AVX512 INLINE void search_write_any(const void *w, int src_dtype, int64_t k0
     const __m512i lo_v = _mm512_set1_epi32(lo_q), hi_v = _mm512_set1_epi32(hi_q);
     const __m512i zp_v = _mm512_set1_epi32(c->zp);
     const __m512 scale_v = _mm512_set1_ps(c->scale), b_v = _mm512_set1_ps(c->b);
-    __m512d sg[2], ns[2], mx[2];
+    /* Read only when signal is given; zeroed so the compiler can see they are set. */
+    __m512d sg[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()}, ns[2] = {sg[0], sg[0]},
+            mx[2] = {sg[0], sg[0]};
     if (signal)
         for (int h = 0; h < 2; h++) {
             sg[h] = _mm512_loadu_pd(signal + 8 * h);
