@@ -243,6 +243,16 @@ static inline uint32_t axl_bits_of_f32(float f) {
     return b;
 }
 
+/* One element into a block's range: |x| as integer bits into *amax (a NaN or Inf cannot hide
+ * in a max: its bits are >= those of Inf), x into [*lo, *hi]. The scalar range pass of every
+ * kernel (reference, vector tails, the search). */
+static inline void axl_range_add(float x, uint32_t *amax, float *lo, float *hi) {
+    uint32_t a = axl_bits_of_f32(x) & 0x7FFFFFFFu;
+    if (a > *amax) *amax = a;
+    if (x < *lo) *lo = x;
+    if (x > *hi) *hi = x;
+}
+
 /* Largest and smallest stored integer of a format; qmin = -qmax when symmetric. */
 static inline int32_t axl_qmax(const axl_qformat *f) { return f->bits == 8 ? 127 : 7; }
 static inline int32_t axl_qmin(const axl_qformat *f) {

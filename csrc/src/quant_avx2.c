@@ -121,11 +121,7 @@ AXL_AVX2 INLINE int quant_row(const void *w, int src_dtype, const axl_qformat *f
         uint32_t amax = hmax_epu32(a);
         float lo = symmetric ? 0 : hmin_ps(l), hi = symmetric ? 0 : hmax_ps(u);
         for (int64_t k = kv; k < k1; k++) {
-            float x = load1(w, src_dtype, k);
-            uint32_t b = axl_bits_of_f32(x) & 0x7FFFFFFFu;
-            if (b > amax) amax = b;
-            if (x < lo) lo = x;
-            if (x > hi) hi = x;
+            axl_range_add(load1(w, src_dtype, k), &amax, &lo, &hi);
         }
         if (amax >= 0x7F800000u) return 1;
         float scale, inv;

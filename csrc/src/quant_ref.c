@@ -33,17 +33,10 @@ static inline int quant_block(const void *w, int src_dtype, const axl_qformat *f
     int8_t *q8 = q;
     uint8_t *q4 = q;
     const int64_t k0 = g * f->block, k1 = axl_block_end(f, g);
-    /* Pass 1: the block's range. |x| as integer bits: a NaN or Inf cannot hide in a
-     * max, and its bits are >= those of Inf. */
+    /* Pass 1: the block's range (lo <= 0 <= hi). */
     uint32_t amax = 0;
     float lo = 0, hi = 0;
-    for (int64_t k = k0; k < k1; k++) {
-        float x = load_elem(w, src_dtype, k);
-        uint32_t a = axl_bits_of_f32(x) & 0x7FFFFFFFu;
-        if (a > amax) amax = a;
-        if (x < lo) lo = x;
-        if (x > hi) hi = x;
-    }
+    for (int64_t k = k0; k < k1; k++) axl_range_add(load_elem(w, src_dtype, k), &amax, &lo, &hi);
     if (amax >= 0x7F800000u) return 1;
     float scale, inv;
     int32_t z = 0;

@@ -79,10 +79,7 @@ static void range_ref(const void *w, int src_dtype, const float *imp, int64_t k0
     float mn = INFINITY, mx = -INFINITY;
     for (int64_t k = k0; k < k1; k++) {
         float x = load_elem(w, src_dtype, k);
-        uint32_t a = axl_bits_of_f32(x) & 0x7FFFFFFFu;
-        if (a > amax) amax = a;
-        if (x < mn) mn = x;
-        if (x > mx) mx = x;
+        axl_range_add(x, &amax, &mn, &mx);
         if (offset) {
             const float wt = imp ? imp[k] : 1.0f;
             lw[(k - k0) % AXL_QLANES] += wt;
