@@ -228,12 +228,11 @@ class QuantizationConfig:
         if self.block_size is None:      # not given: per_channel decides, else the bits' default
             self.block_size = (-1 if pc is True else DEFAULT_BLOCK if pc is False
                                else DEFAULT_BLOCK_FOR_BITS[self.n_bits])
-        self._default_block = pc is False and self.block_size == -1
         if pc is True and self.block_size != -1:
             raise ValueError(f"per_channel=True contradicts block_size={self.block_size} (one scale "
                              "per output channel has no blocks); pass block_size=-1, or "
                              "per_channel=False to quantize blockwise")
-        if self._default_block:
+        if pc is False and self.block_size == -1:
             self.block_size = DEFAULT_BLOCK
         self.per_channel = self.block_size == -1
 
