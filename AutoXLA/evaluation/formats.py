@@ -50,6 +50,10 @@ FORMATS = {f.name: f for f in (
     autoxla("w8a8", "int8 per-channel weights and dynamic per-row int8 activations", bits=8,
             quantize_activation=True),
     autoxla("int8-b32", "int8 blocks of 32, symmetric", bits=8, block_size=32),
+    autoxla("int8-b32-fp16", "int8 blocks of 32, symmetric, float16 scales (Q8_0's layout and "
+            "bytes)", bits=8, block_size=32, scale_dtype="float16", scale_search=False),
+    autoxla("int8-b32-fp16-search", "int8-b32-fp16 with the error-minimising scale search", bits=8,
+            block_size=32, scale_dtype="float16", scale_search=True),
     autoxla("int8-search", "int8 per-channel with the error-minimising scale search", bits=8,
             scale_search=True),
     autoxla("w8a8-smooth", "w8a8 after SmoothQuant, calibrated on AutoXLA's calibration text",
