@@ -97,10 +97,11 @@ FORMATS = {f.name: f for f in (
 # Names for several formats at once; `--bits 8` / `--bits 4` are the 8- and 4-bit sets.
 SETS = {
     "8": ("int8", "w8a8", "q8_0"),
-    "4": ("int4-b32", "int4-b32-asym", "int4-b64", "int4-pc", "q4_0", "q4_1"),
-    # The comparison of issue 14: every AutoXLA format beside llama.cpp's at equal bits.
-    "default": ("int8", "w8a8", "q8_0", "int4-b32", "int4-b32-asym", "int4-b64", "int4-pc",
-                "q4_0", "q4_1"),
+    "4": ("int4-b32-search", "int4-b32", "int4-b32-asym", "int4-b64", "int4-pc", "q4_0", "q4_1"),
+    # The comparison of issue 14: every AutoXLA format beside llama.cpp's at equal bits; the
+    # first of each bit width is what QuantizationConfig(bits=...) gives.
+    "default": ("int8", "w8a8", "q8_0", "int4-b32-search", "int4-b32", "int4-b32-asym",
+                "int4-b64", "int4-pc", "q4_0", "q4_1"),
     "all": tuple(n for n in FORMATS if n != "float"),
 }
 
