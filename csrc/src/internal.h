@@ -203,11 +203,23 @@ typedef void (*axl_qwrite_fn)(const void *w, int src_dtype, int64_t k0, int64_t 
                               const axl_qcand *c, int32_t lo_q, int32_t hi_q, int offset, int bits,
                               void *q, double *signal, double *noise, double *max_abs_err);
 
+/*   group (NULL where an ISA has none): blocks g0 .. g0 + AXL_QGROUP - 1 of the row, all of
+ *     f->block <= AXL_QGROUP_MAX_BLOCK elements, at once (one block per vector lane): each
+ *     block's final candidate c[j] and clamp range [lo_q[j], hi_q[j]], bit for bit what the
+ *     block-by-block set-up and search give. Returns 1 if a block is non-finite; the caller
+ *     then redoes the blocks one by one (so the row fails where the reference's does). */
+#define AXL_QGROUP 16
+#define AXL_QGROUP_MAX_BLOCK 256
+typedef int (*axl_qgroup_fn)(const void *w, int src_dtype, const axl_qformat *f, int64_t g0,
+                             axl_qcand c[AXL_QGROUP], int32_t lo_q[AXL_QGROUP],
+                             int32_t hi_q[AXL_QGROUP]);
+
 typedef struct axl_qsearch_ops {
     axl_qsums_fn sums;
     axl_qerror_fn error;
     axl_qrange_fn range;
     axl_qwrite_fn write;
+    axl_qgroup_fn group;
 } axl_qsearch_ops;
 
 /* The reference's write (for vector kernels' odd 4-bit blocks). */
@@ -218,6 +230,9 @@ void axl_qsearch_write_ref(const void *w, int src_dtype, int64_t k0, int64_t k1,
 extern const axl_qsearch_ops axl_qsearch_ref;
 #if AXL_X86
 extern const axl_qsearch_ops axl_qsearch_avx512;
+int axl_qsearch_group_avx512(const void *w, int src_dtype, const axl_qformat *f, int64_t g0,
+                             axl_qcand c[AXL_QGROUP], int32_t lo_q[AXL_QGROUP],
+                             int32_t hi_q[AXL_QGROUP]);
 #endif
 
 /* One row with f->search or the offset scheme: every block through the scalar set-up and

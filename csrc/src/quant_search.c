@@ -112,7 +112,8 @@ void axl_qsearch_write_ref(const void *w, int src_dtype, int64_t k0, int64_t k1,
     }
 }
 
-const axl_qsearch_ops axl_qsearch_ref = {sums_ref, error_ref, range_ref, axl_qsearch_write_ref};
+const axl_qsearch_ops axl_qsearch_ref = {sums_ref, error_ref, range_ref, axl_qsearch_write_ref,
+                                         NULL};
 
 /* ---- the scalar set-up ------------------------------------------------------------------- */
 
@@ -293,17 +294,38 @@ int axl_quant_row_search(const void *w, int src_dtype, const axl_qformat *f, voi
                          float *sqnr_db, const axl_qsearch_ops *ops) {
     const int stats = max_err || sqnr_db, offset = f->scheme == AXL_Q_OFFSET;
     double signal[AXL_QLANES] = {0}, noise[AXL_QLANES] = {0}, max_abs_err = 0;
+    /* Full-length blocks go AXL_QGROUP at a time where the ISA can (the ragged last block and
+     * the leftovers one by one); after a refused group, its blocks one by one. */
+    const int grouped = ops->group && f->block <= AXL_QGROUP_MAX_BLOCK;
+    const int64_t full = f->cols / f->block;
+    int64_t single_until = 0;
+    axl_qcand cs[AXL_QGROUP];
+    int32_t los[AXL_QGROUP], his[AXL_QGROUP];
+    int held = 0; /* candidates of blocks g .. g + held - 1 in cs from the group */
     for (int64_t g = 0; g < f->groups; g++) {
         const int64_t k0 = g * f->block, k1 = axl_block_end(f, g);
         axl_qcand c;
         int32_t lo_q, hi_q;
-        float mn, mx, sw, sx;
-        if (plain_block(w, src_dtype, f, f->importance, k0, k1, ops, &c, &lo_q, &hi_q, &mn, &mx,
-                        &sw, &sx))
-            return 1;
-        if (f->search && c.scale != 0)
-            search_block(w, src_dtype, f, f->importance, k0, k1, ops, mn, mx, sw, sx, &c, &lo_q,
-                         &hi_q);
+        if (!held && grouped && g >= single_until && g + AXL_QGROUP <= full) {
+            if (ops->group(w, src_dtype, f, g, cs, los, his))
+                single_until = g + AXL_QGROUP;
+            else
+                held = AXL_QGROUP;
+        }
+        if (held) {
+            const int j = AXL_QGROUP - held--;
+            c = cs[j];
+            lo_q = los[j];
+            hi_q = his[j];
+        } else {
+            float mn, mx, sw, sx;
+            if (plain_block(w, src_dtype, f, f->importance, k0, k1, ops, &c, &lo_q, &hi_q, &mn,
+                            &mx, &sw, &sx))
+                return 1;
+            if (f->search && c.scale != 0)
+                search_block(w, src_dtype, f, f->importance, k0, k1, ops, mn, mx, sw, sx, &c,
+                             &lo_q, &hi_q);
+        }
         axl_scale_store(scales, f->scale_dtype, g, c.scale);
         if (zp) zp[g] = (int8_t)c.zp;
         if (offset) axl_scale_store(offsets, f->scale_dtype, g, c.b);

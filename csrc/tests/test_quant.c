@@ -1314,6 +1314,111 @@ static void test_search(void) {
     }
 }
 
+/* ---- the search 16 blocks at a time (axl_qsearch_ops.group) ----------------------------- */
+
+/* Rows for the grouped search: the ROW_KINDS kinds, rows whose blocks each take another kind
+ * (so a group's lanes differ: zero, tiny, one-sign, extreme blocks side by side), a NaN and an
+ * Inf in a middle block (the row refused), and blocks whose plain scale is just below fp16's
+ * largest for int4 and for int8 (refits past it are Inf; with fp16 scales the other width
+ * refuses the row). */
+static void *make_group_weight(int dt, int64_t rows, int64_t cols, int64_t block) {
+    void *w = make_weight(dt, rows, cols), *kinds = make_weight(dt, ROW_KINDS, cols);
+    const size_t es = axl_dtype_size(dt);
+    for (int64_t r = ROW_KINDS; r < rows; r++) {
+        const int64_t at = r * cols;
+        for (int64_t k = 0; k < cols; k++) {
+            const int64_t kind = (k / block + r) % ROW_KINDS;
+            memcpy((char *)w + (size_t)(at + k) * es, (char *)kinds + (size_t)(kind * cols + k) * es, es);
+        }
+        const int64_t mid = (cols / block / 2) * block + block / 3;
+        switch (r % 6) {
+        case 0: if (mid < cols) put(w, dt, at + mid, NAN); break;
+        case 1: if (mid < cols) put(w, dt, at + mid, -INFINITY); break;
+        case 2: /* fall through */
+        case 3:
+            if (dt == AXL_F16) break; /* beyond fp16 itself */
+            for (int64_t k = 0; k < cols; k++)
+                if (k % block == (r + k / block) % block)
+                    put(w, dt, at + k, (k & 1 ? -1.0f : 1.0f) * 65000.0f * (r % 6 == 2 ? 7.0f : 127.0f));
+            break;
+        default: break;
+        }
+    }
+    free(kinds);
+    return w;
+}
+
+/* Every vectorised ISA (1 and 3 threads) gives the scalar search's status, bad row and bytes;
+ * with one thread also on a refused row (the blocks before its bad one are written), after
+ * which the rows past it are checked in a call of their own. */
+static void check_group_case(const void *w, int dt, int64_t rows, int64_t cols, int bits,
+                             int scheme, int64_t block, int sd, const float *imp) {
+    const int64_t groups = (cols - 1) / block + 1;
+    const axl_qspec spec = {bits, scheme, block, sd, 1, imp};
+    for (int64_t r0 = 0; r0 < rows;) {
+        const int64_t n = rows - r0;
+        const void *wr = (const char *)w + (size_t)(r0 * cols) * axl_dtype_size(dt);
+        const size_t qb = (size_t)(n * q_row_bytes(cols, bits)), sb = (size_t)(n * groups) * axl_dtype_size(sd);
+        const size_t zb = scheme == AXL_Q_ZERO_POINT ? (size_t)(n * groups) : 0;
+        const size_t ob = scheme == AXL_Q_OFFSET ? sb : 0;
+        sres want;
+        sres_init(&want, n, cols, bits, groups, sd);
+        const int st = run_spec(wr, dt, n, cols, &spec, &want, 1, AXL_ISA_SCALAR);
+        CHECK(st == AXL_OK || st == AXL_ERR_NON_FINITE);
+        for (int isa = AXL_ISA_SCALAR + 1; isa < AXL_ISA_COUNT; isa++) {
+            if (!isa_available(isa)) continue;
+            for (int t = 1; t <= 3; t += 2) {
+                sres got;
+                sres_init(&got, n, cols, bits, groups, sd);
+                const int gst = run_spec(wr, dt, n, cols, &spec, &got, t, isa);
+                const int all = st == AXL_OK || t == 1; /* 3 threads may go on past a bad row */
+                const int same =
+                    gst == st && got.bad_row == want.bad_row &&
+                    (!all || (!memcmp(got.q, want.q, qb) && !memcmp(got.scales, want.scales, sb) &&
+                              !memcmp(got.zp, want.zp, zb) && !memcmp(got.offsets, want.offsets, ob) &&
+                              !memcmp(got.max_err, want.max_err, (size_t)n * 4) &&
+                              !memcmp(got.sqnr, want.sqnr, (size_t)n * 4))) &&
+                    guard_intact(got.q, qb) && guard_intact(got.scales, sb) && guard_intact(got.offsets, sb);
+                CHECK_MSG(same, "grouped search %s %lldx%lld (from row %lld) block %lld int%d scheme %d "
+                          "%s imp %d isa %s threads %d: status %d/%d bad_row %lld/%lld, differs from scalar",
+                          dtype_names[dt], (long long)rows, (long long)cols, (long long)r0, (long long)block,
+                          bits, scheme, scale_name(sd), imp != NULL, axl_isa_name(isa), t, gst, st,
+                          (long long)got.bad_row, (long long)want.bad_row);
+                sres_free(&got);
+            }
+        }
+        r0 = st == AXL_OK ? rows : r0 + want.bad_row + 1;
+        sres_free(&want);
+    }
+}
+
+/* 1 to 40 blocks of 32 (groups of 16 with leftovers, some rows with a ragged last block), and
+ * other block lengths (16, 20 and 7: no 16x16 transposes; 256: the largest grouped; 257: not
+ * grouped), every scheme, width and scale dtype; source dtype and importance by turns. */
+static void test_search_groups(void) {
+    const int64_t rows = ROW_KINDS + 12;
+    const int64_t extra[][2] = {{16, 17}, {20, 16}, {7, 33}, {64, 16}, {256, 16}, {257, 16}};
+    const int ncases = 40 + (int)(sizeof extra / sizeof *extra);
+    for (int c = 0; c < ncases; c++) {
+        const int64_t block = c < 40 ? 32 : extra[c - 40][0];
+        const int64_t nb = c < 40 ? c + 1 : extra[c - 40][1];
+        const int64_t cols = nb * block + (c % 3 == 2 ? 5 : 0);
+        const int dt = float_dtypes[c % 3];
+        void *w = make_group_weight(dt, rows, cols, block);
+        float *imp = NULL;
+        if ((c / 3) % 2) {
+            imp = xmalloc((size_t)cols * 4);
+            for (int64_t k = 0; k < cols; k++) imp[k] = k % 7 == 0 ? 0.0f : rng_unit() * 4.0f;
+        }
+        for (int sd = 0; sd < 3; sd++)
+            for (int bits = 4; bits <= 8; bits += 4)
+                for (int scheme = 0; scheme < AXL_Q_SCHEME_COUNT; scheme++)
+                    check_group_case(w, dt, rows, cols, bits, scheme, block, scale_dtypes[sd], imp);
+        free(imp);
+        free(w);
+    }
+}
+
 /* ---- bad arguments ------------------------------------------------------------------------- */
 
 static void test_bad_arguments(int sd) {
@@ -1561,6 +1666,7 @@ void test_quant(void) {
     test_thread_failure();
     test_f16_scales();
     test_search();
+    test_search_groups();
     test_bad_arguments(AXL_F32);
     test_bad_arguments(AXL_BF16);
     test_bad_arguments(AXL_F16);
