@@ -40,12 +40,24 @@ AXL_AVX512 INLINE void transpose16(__m512 r[16]) {
     }
 }
 
+/* 16 elements of dtype dt at p, widened to f32. */
+AXL_AVX512 INLINE __m512 load16(const char *p, const int dt) {
+    if (dt == AXL_F32) return _mm512_loadu_ps(p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (dt == AXL_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
 /* tile[p * 16 + j] = element p of the j-th of 16 blocks of b elements from element `base`. */
-AXL_AVX512 INLINE void load_tile(const void *w, int dt, int64_t base, int64_t b, float *tile) {
+AXL_AVX512 INLINE void load_tile_any(const void *w, const int dt, int64_t base, int64_t b,
+                                     float *tile) {
+    const size_t es = dt == AXL_F32 ? 4 : 2, stride = (size_t)b * es;
+    const char *src = (const char *)w + (size_t)base * es;
     if (b % 16 == 0) {
         for (int64_t p0 = 0; p0 < b; p0 += 16) {
             __m512 r[16];
-            for (int j = 0; j < 16; j++) r[j] = load_x(w, dt, base + j * b + p0, 0xFFFF);
+            const char *at = src + (size_t)p0 * es;
+            for (int j = 0; j < 16; j++, at += stride) r[j] = load16(at, dt);
             transpose16(r);
             for (int c = 0; c < 16; c++) _mm512_store_ps(tile + (p0 + c) * 16, r[c]);
         }
@@ -59,6 +71,14 @@ AXL_AVX512 INLINE void load_tile(const void *w, int dt, int64_t base, int64_t b,
                 : dt == AXL_BF16 ? axl_f32_from_bits((uint32_t)((const uint16_t *)w)[k] << 16)
                                  : axl_f32_from_bits(axl_f16_to_f32_bits(((const uint16_t *)w)[k]));
         }
+}
+
+AXL_AVX512 static void load_tile(const void *w, int dt, int64_t base, int64_t b, float *tile) {
+    switch (dt) {
+    case AXL_F32: load_tile_any(w, AXL_F32, base, b, tile); break;
+    case AXL_BF16: load_tile_any(w, AXL_BF16, base, b, tile); break;
+    default: load_tile_any(w, AXL_F16, base, b, tile); break;
+    }
 }
 
 AXL_AVX512 INLINE __mmask16 finite(__m512 v) {
@@ -89,26 +109,39 @@ typedef struct vcand {
     __m512 inv, a, zp, lo, hi, scale, b;
 } vcand;
 
-AXL_AVX512 INLINE __m512 vlevel(__m512 x, const vcand *c, const int scheme) {
+/* clamp: which bounds a candidate's levels may reach (CLAMP_BOTH unless shown otherwise). */
+enum { CLAMP_NONE = 0, CLAMP_HI = 1, CLAMP_BOTH = 3 };
+
+AXL_AVX512 INLINE __m512 vlevel(__m512 x, const vcand *c, const int scheme, const int clamp) {
     __m512 t = scheme == AXL_Q_OFFSET ? _mm512_sub_ps(x, c->a) : x; /* a = 0 otherwise */
     __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(t, c->inv), ROUND_RNE);
     if (scheme == AXL_Q_ZERO_POINT) v = _mm512_add_ps(v, c->zp);
-    v = _mm512_min_ps(_mm512_max_ps(v, c->lo), c->hi);
+    if (clamp & 2) v = _mm512_max_ps(v, c->lo);
+    if (clamp & 1) v = _mm512_min_ps(v, c->hi);
     return scheme == AXL_Q_ZERO_POINT ? _mm512_sub_ps(v, c->zp) : v;
 }
 
-/* measure() of quant_search.c per lane: lanes p % 16 in double, then the same tree. */
-AXL_AVX512 INLINE void vmeasure(const float *xt, const float *wt, int64_t b, const vcand *c,
-                                const int scheme, const int weighted, __m512d e[2]) {
+/* The clamps candidate i (0: the plain levels) of the symmetric scheme can reach. With
+ * |x| <= |m| and inv = fl(t / m), |x * inv| <= |t| (1 + 2^-24)^2 < |t| + 2^-20, which rounds to
+ * at most |t| = N + 1 (the extreme side: qmin, never below), to N for |t| <= N + 1/4: only
+ * t = -(N + 1), -(N + 3/4), -(N + 1/2) can pass qmax. The plain levels: |x| / s <= N (1 + 2^-22)
+ * rounds within [-N, N]. */
+static inline int sym_clamp(int i) { return i >= 1 && i <= 3 ? CLAMP_HI : CLAMP_NONE; }
+
+/* measure() of quant_search.c per lane: lanes p % 16 in double, then the same tree. xd: the
+ * tile as doubles (xd[k * 16 + j], lanes 0-7 then 8-15). */
+AXL_AVX512 INLINE void vmeasure(const float *xt, const double *xd, const float *wt, int64_t b,
+                                const vcand *c, const int scheme, const int weighted,
+                                const int clamp, __m512d e[2]) {
     __m512d l[16][2];
     for (int p = 0; p < 16; p++) {
         __m512d acc[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
         for (int64_t k = p; k < b; k += 16) {
             const __m512 x = _mm512_load_ps(xt + k * 16);
-            __m512 y = _mm512_mul_ps(vlevel(x, c, scheme), c->scale);
+            __m512 y = _mm512_mul_ps(vlevel(x, c, scheme, clamp), c->scale);
             if (scheme == AXL_Q_OFFSET) y = _mm512_add_ps(y, c->b);
             for (int h = 0; h < 2; h++) {
-                const __m512d d = _mm512_sub_pd(half_pd(x, h), half_pd(y, h));
+                const __m512d d = _mm512_sub_pd(_mm512_load_pd(xd + k * 16 + 8 * h), half_pd(y, h));
                 __m512d v = _mm512_mul_pd(d, d);
                 if (weighted) v = _mm512_mul_pd(half_pd(_mm512_load_ps(wt + k * 16), h), v);
                 acc[h] = _mm512_add_pd(acc[h], v);
@@ -247,7 +280,8 @@ AXL_AVX512 INLINE int group_any(const float *xt, const float *wt, int64_t b,
             const __m512 wk = weighted ? _mm512_load_ps(wt + k * 16) : one;
             const __m512 wx = weighted ? _mm512_mul_ps(wk, x) : x;
             for (int i = 0; i < nc; i++) {
-                const __m512 d = vlevel(x, &c[i], scheme);
+                const __m512 d = vlevel(x, &c[i], scheme,
+                                        scheme == AXL_Q_SYMMETRIC ? sym_clamp(i) : CLAMP_BOTH);
                 s0[i] = _mm512_add_ps(s0[i], _mm512_mul_ps(wx, d));
                 const __m512 dd = _mm512_mul_ps(d, d);
                 s1[i] = _mm512_add_ps(s1[i], weighted ? _mm512_mul_ps(wk, dd) : dd);
@@ -313,8 +347,13 @@ AXL_AVX512 INLINE int group_any(const float *xt, const float *wt, int64_t b,
         /* the exact errors of plain and pick; keep pick if below (1 - 2^-30) times plain's */
         if (found) {
             __m512d ep[2], ek[2];
-            vmeasure(xt, wt, b, &pl, scheme, weighted, ep);
-            vmeasure(xt, wt, b, &pick, scheme, weighted, ek);
+            _Alignas(64) double xd[AXL_QGROUP_MAX_BLOCK * 16];
+            for (int64_t k = 0; k < b; k++)
+                for (int h = 0; h < 2; h++)
+                    _mm512_store_pd(xd + k * 16 + 8 * h, half_pd(_mm512_load_ps(xt + k * 16), h));
+            vmeasure(xt, xd, wt, b, &pl, scheme, weighted,
+                     scheme == AXL_Q_SYMMETRIC ? CLAMP_NONE : CLAMP_BOTH, ep);
+            vmeasure(xt, xd, wt, b, &pick, scheme, weighted, CLAMP_BOTH, ek);
             const __m512d factor = _mm512_set1_pd(1.0 - 0x1p-30);
             __mmask8 keep[2];
             for (int h = 0; h < 2; h++)
