@@ -236,8 +236,9 @@ int axl_qsearch_group_avx512(const void *w, int src_dtype, const axl_qformat *f,
 #endif
 
 /* One row with f->search or the offset scheme: every block through the scalar set-up and
- * candidate choice of quant_search.c, the ISA's inner loops `ops`. As axl_quant_row_fn,
- * plus offsets (groups,) of f->scale_dtype for AXL_Q_OFFSET. */
+ * candidate choice of quant_search.c, the ISA's inner loops `ops` (or 16 blocks at a time
+ * through ops->group). As axl_quant_row_fn, plus offsets (groups,) of f->scale_dtype for
+ * AXL_Q_OFFSET. */
 int axl_quant_row_search(const void *w, int src_dtype, const axl_qformat *f, void *q,
                          void *scales, int8_t *zp, void *offsets, float *max_err,
                          float *sqnr_db, const axl_qsearch_ops *ops);

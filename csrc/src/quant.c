@@ -38,7 +38,8 @@ static const axl_quant_row_fn quant_kernels[AXL_ISA_COUNT][3] = {
 #endif
 };
 
-/* [isa]: the search's inner loops (AVX2 runs the reference's). */
+/* [isa]: the search's inner loops and group loop (AVX2 runs the reference's, one block at a
+ * time). */
 static const axl_qsearch_ops *const search_ops[AXL_ISA_COUNT] = {
     [AXL_ISA_SCALAR] = &axl_qsearch_ref,
 #if AXL_X86

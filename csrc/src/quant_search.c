@@ -1,7 +1,9 @@
 /* quant_search.c - the error-minimising search and the offset scheme (autoxla.h, "formats and
- * the error-minimising search"): one scalar set-up and candidate choice per block, shared by
- * every ISA, with the ISA's inner loops (axl_qsearch_ops) for the passes over the block, so
- * that every ISA gives the same bits. Learnt from the ideas of llama.cpp's make_qx_quants and
+ * the error-minimising search"): one scalar set-up and candidate choice per block, which
+ * defines the bits, with the ISA's inner loops (axl_qsearch_ops) for the passes over the block.
+ * Where an ISA has a group loop (AVX-512: quant_search_avx512.c), full-length blocks of up to
+ * AXL_QGROUP_MAX_BLOCK elements go 16 at a time through it instead, one block per vector lane,
+ * the same operations in the same order; the ragged last block and leftovers come here. Learnt from the ideas of llama.cpp's make_qx_quants and
  * make_qkx2_quants (candidate inverse scales around the range, a least-squares refit of the
  * levels each gives, the lowest weighted squared error wins); written anew.
  *
