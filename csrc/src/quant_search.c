@@ -3,9 +3,10 @@
  * defines the bits, with the ISA's inner loops (axl_qsearch_ops) for the passes over the block.
  * Where an ISA has a group loop (AVX-512: quant_search_avx512.c), full-length blocks of up to
  * AXL_QGROUP_MAX_BLOCK elements go 16 at a time through it instead, one block per vector lane,
- * the same operations in the same order; the ragged last block and leftovers come here. Learnt from the ideas of llama.cpp's make_qx_quants and
- * make_qkx2_quants (candidate inverse scales around the range, a least-squares refit of the
- * levels each gives, the lowest weighted squared error wins); written anew.
+ * the same operations in the same order; the ragged last block and leftovers come here.
+ * Learnt from the ideas of llama.cpp's make_qx_quants and make_qkx2_quants (candidate inverse
+ * scales around the range, a least-squares refit of the levels each gives, the lowest weighted
+ * squared error wins); written anew.
  *
  * The candidates of a block, with N = qmax, qmin = -N - 1, R = N - qmin (levels of the grid):
  *   symmetric, m the signed extreme (max(block, 0) if it is >= -min(block, 0), else
