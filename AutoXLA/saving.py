@@ -538,11 +538,25 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
     limit = _parse_size(max_shard_size)
     target.mkdir(parents=True, exist_ok=True)
     tensors = _tensors(inner)
+    groups = shard_groups({n: t.numel() * t.element_size() for n, t in tensors.items()}, limit)
+    generation = getattr(inner, "generation_config", None)
+    generation = generation.to_json_string() if hasattr(generation, "to_json_string") else None
 
-    # Group tensors into shards by their bytes, in model order.
+    def write_shards(paths: list[Path], groups: list[list[str]]) -> None:
+        for path, group in zip(paths, groups):
+            # One shard at a time on the host: an XLA tensor's .cpu() gathers its shards.
+            host = {n: tensors[n].detach().to("cpu").contiguous() for n in group}
+            save_file(host, str(path), metadata={"format": "pt"})
+            del host
+
+    write_checkpoint(target, groups, write_shards, _config_json(inner), generation)
+
+
+def shard_groups(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """Tensor names (in order) grouped into shards of at most ``limit`` bytes (a tensor larger
+    than the limit gets a shard of its own); at least one, possibly empty, group."""
     groups, current, size = [], [], 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
+    for name, n in sizes.items():
         if current and size + n > limit:
             groups.append(current)
             current, size = [], 0
@@ -550,30 +564,33 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
         size += n
     if current or not groups:
         groups.append(current)
-    generation = getattr(inner, "generation_config", None)
-    generation = generation if hasattr(generation, "to_json_string") else None
-    config_text = _config_json(inner)
+    return groups
 
+
+def write_checkpoint(target: Path, groups: list[list[str]], write_shards, config_text: str,
+                     generation_text: str | None) -> None:
+    """The journaled, atomic save of one checkpoint into the directory ``target`` (module
+    docstring): ``write_shards(paths, groups)`` writes one safetensors file per group of tensor
+    names (at the journal's temporary names); the index, generation config and config.json are
+    written from the texts given.
+    Shared by save_pretrained and the offline quantizer (quantization/offline.py)."""
     _settle_interrupted(target)
-    token, names, entries = _plan(target, len(groups), generation is not None)
+    token, names, entries = _plan(target, len(groups), generation_text is not None)
     temp = {e.final: target / e.temp for e in entries if e.temp}
     journal = _Journal.create(target, token, entries)
     try:
         try:
-            weight_map, total = {}, 0
+            write_shards([temp[f] for f in names], groups)
+            weight_map = {}
             for fname, group in zip(names, groups):
-                # One shard at a time on the host: an XLA tensor's .cpu() gathers its shards.
-                host = {n: tensors[n].detach().to("cpu").contiguous() for n in group}
-                total += sum(t.numel() * t.element_size() for t in host.values())
-                save_file(host, str(temp[fname]), metadata={"format": "pt"})
                 _fsync_file(temp[fname])
                 weight_map.update({n: fname for n in group})
-                del host
             if len(names) > 1:
+                total = sum(_stored_bytes(temp[f]) for f in names)
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
                 _write_text(temp[SAFE_INDEX], json.dumps(index, indent=2, sort_keys=True) + "\n")
-            if generation is not None:
-                _write_text(temp[GENERATION_CONFIG], generation.to_json_string())
+            if generation_text is not None:
+                _write_text(temp[GENERATION_CONFIG], generation_text)
             _write_text(temp[CONFIG], config_text)
             _fsync_dir(target)
 
@@ -602,9 +619,15 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
         except Exception as e:
             warnings.warn(f"the checkpoint in {target} is saved, but removing the previous one's "
                           f"backups failed ({e!r}); the journal {journal.path.name} lists them and "
-                          "the next save_pretrained into it removes them", stacklevel=2)
+                          "the next save_pretrained into it removes them", stacklevel=3)
     finally:
         journal.close()
+
+
+def _stored_bytes(path: Path) -> int:
+    """The tensor bytes of a safetensors file: its size less the 8-byte length and the header."""
+    with open(path, "rb") as f:
+        return os.fstat(f.fileno()).st_size - 8 - int.from_bytes(f.read(8), "little")
 
 
 def _config_json(model: nn.Module) -> str:

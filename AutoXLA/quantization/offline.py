@@ -1,0 +1,185 @@
+"""Quantize a checkpoint on disk, on a CPU host with no XLA devices (``autoxla quantize``).
+
+The result is what ``from_pretrained(SRC, do_quant=True, quantization_config=cfg)`` followed by
+``save_pretrained(DST)`` writes: the same layer choice (ModelQuantizer's plan of the empty model
+on the meta device), the same C engine call per weight (quantize_tensor, on the tensor as the
+checkpoint stores it, as the loader does), the same tensor names, dtypes, shard grouping and files,
+committed by the same journaled save (saving.write_checkpoint). One tensor at a time is read,
+quantized or converted, and written at its offset in its shard (loading/safetensors_out.py), so
+memory stays within about two tensors of the largest.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .. import _native, saving
+from ..loading import checkpoint as ckpt
+from ..loading import streaming
+from ..loading.safetensors_out import ShardWriter
+
+# Files that are not weights or configs but make a checkpoint usable (its tokenizer): copied from
+# SRC when DST has no file of that name (never over a file of DST).
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
+              "chat_template.jinja", "chat_template.json")
+
+
+def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
+                        overwrite: bool = False, progress: bool | None = None) -> Path:
+    """Write the float safetensors checkpoint directory ``src`` quantized by ``config`` (a
+    QuantizationConfig) into the directory ``dst``; returns ``dst`` as a Path.
+
+    progress: None = a bar on a terminal only (as the loader shows), True / False = always / never.
+    """
+    from ..modeling.pipeline import quantize_on_meta
+    from ..sharding.mesh import mesh_shape_for
+    from ..sharding.plan import build_plan
+
+    src, dst = Path(src), Path(dst)
+    _check_dst(src, dst, overwrite)
+    resolved = _empty_model(src, dtype)
+    checkpoint = ckpt.locate(src)
+    if checkpoint.is_pickle:
+        raise ValueError(f"{src} holds pickle weights (*.bin), which cannot be read one tensor at "
+                         "a time; convert it to safetensors first (load and save_pretrained)")
+    quantize_on_meta(resolved, config, on_tpu=False)   # the backend does not change what is stored
+    model = resolved.model
+    # One device: the plan serves for its names, shapes, dtypes and sources, not for its specs.
+    plan = build_plan(model, resolved.config, mesh_shape_for("fsdp", 1), "fsdp", resolved.dtype,
+                      resolved.tied, scan_layers=False)
+    stored = _saved_order(model, saving._tensors(model))   # what save_pretrained stores
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
+    groups = saving.shard_groups({n: t.numel() * t.element_size() for n, t in stored.items()},
+                                 saving._parse_size(max_shard_size))
+    generation = getattr(model, "generation_config", None)
+    generation = generation.to_json_string() if hasattr(generation, "to_json_string") else None
+
+    def write_shards(paths, groups):
+        writer = ShardWriter(specs, groups, paths)
+        try:
+            _stream(model, plan, checkpoint, writer, set(specs), progress)
+        finally:
+            writer.close(check=False)
+        writer.close()
+
+    dst.mkdir(parents=True, exist_ok=True)
+    saving.write_checkpoint(dst, groups, write_shards, saving._config_json(model), generation)
+    _copy_companions(src, dst)
+    return dst
+
+
+def _saved_order(model, stored: dict) -> dict:
+    """``stored`` in the order save_pretrained writes a loaded model's tensors, which decides the
+    shard each lands in. from_pretrained scans a repeating decoder stack (scan_layers=True, the
+    default): its save writes each layer's tensors together (parameters, then buffers) where the
+    stack stands (saving._unstacked), where an unscanned model lists every parameter first."""
+    from ..sharding.decoder_stack import plan_stack
+
+    stack = plan_stack(model, True)
+    if stack is None or not stack.scanned:
+        return stored
+    prefix = stack.path + "."
+    names = list(stored)
+    inside = [n for n in names if n.startswith(prefix)]
+    if not inside:
+        return stored
+    at = names.index(inside[0])
+    rest = [n for n in names if not n.startswith(prefix)]
+    inside.sort(key=lambda n: int(n[len(prefix):].split(".", 1)[0]))   # stable: keeps each layer's order
+    return {n: stored[n] for n in rest[:at] + inside + rest[at:]}
+
+
+def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
+    if not src.is_dir():
+        raise FileNotFoundError(f"SRC {src} is not a directory; pass a checkpoint directory "
+                                "(config.json and safetensors weights)")
+    if not (src / saving.CONFIG).is_file():
+        raise FileNotFoundError(f"SRC {src} has no config.json: not a checkpoint directory "
+                                "(save_pretrained writes config.json and safetensors weights)")
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"DST {dst} is a file; pass a directory for the quantized checkpoint")
+    if dst.exists() and os.path.samefile(src, dst):
+        raise ValueError(f"DST {dst} is SRC: quantizing in place would replace the float weights; "
+                         "pass another directory")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"DST {dst} exists and is not empty; pass --overwrite to replace the "
+                              "checkpoint in it (only config.json, generation_config.json and the "
+                              "weight files are replaced, other files are kept) or choose an "
+                              "empty directory")
+
+
+def _empty_model(src: Path, dtype):
+    from ..modeling.causal import causal_or_image_text_class
+    from ..modeling.empty import load_config
+    from ..modeling.pipeline import empty_model, pick_auto_class
+    from ..modeling.segmentation import auto_classes
+
+    config = load_config(str(src))
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError(f"SRC {src} is already quantized (its config.json has "
+                         "quantization_config); quantize its float checkpoint instead")
+    auto_class = causal_or_image_text_class(config) or pick_auto_class(auto_classes(), config)
+    return empty_model(config, auto_class, dtype)
+
+
+def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress) -> None:
+    """Every stored tensor, as load() makes it on the host, handed to ``writer``: mirrors
+    modeling/pipeline.py's load() and _load_quantized() without the devices."""
+    from tqdm.auto import tqdm
+
+    from ..modeling.pipeline import _check_shape, _owner, _sources
+    from .linear import stored_tensors
+    from .quantizer import quantize_tensor
+
+    sources, quantize = _sources(model, plan, checkpoint, None)
+    todo = [t for t in plan if not t.tied_to and t.derived_from not in quantize
+            and (t.name in stored or t.name in quantize)]
+    bar = tqdm(total=len(todo), desc="AutoXLA: quantizing", unit="tensor",
+               disable=None if progress is None else not progress)
+    for t in todo:
+        key = sources.get(t.name)
+        owner, leaf = _owner(model, t.name)
+        if t.name in quantize:
+            w = streaming.read_whole(checkpoint.records[key])
+            _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+            q = quantize_tensor(w, owner.quant_format, f"{t.name} (checkpoint tensor {key!r})",
+                                stats=False)
+            del w
+            prefix = t.name.rpartition(".")[0]
+            for part, value in stored_tensors(q).items():
+                writer.write(f"{prefix}.{part}" if prefix else part, value)
+            del q
+        else:
+            dtype = getattr(torch, t.dtype)
+            if key is None:   # a persistent buffer the checkpoint lacks: the model's own value
+                value = owner._buffers[leaf].to(dtype)
+            else:
+                record = checkpoint.records[key]
+                _check_shape(t, record.shape, key)
+                value = _converted(streaming.read_whole(record), dtype)
+            writer.write(t.name, value)
+            del value
+        bar.update(1)
+    bar.close()
+
+
+def _converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in the load dtype, by the C core where the loader converts with it (read_shards:
+    the same rounding, and the same NaN bits)."""
+    if t.dtype == dtype:
+        return t
+    if t.dtype in streaming.NATIVE_DTYPES and dtype in streaming.NATIVE_DTYPES and t.dim() > 0:
+        return _native.convert(t.contiguous(), dtype)
+    return t.to(dtype)
+
+
+def _copy_companions(src: Path, dst: Path) -> None:
+    for name in COMPANIONS:
+        if (src / name).is_file() and not os.path.lexists(dst / name):
+            tmp = dst / f".{name}.autoxla-copy"
+            shutil.copyfile(src / name, tmp)
+            os.replace(tmp, dst / name)

@@ -1,0 +1,74 @@
+"""`autoxla quantize SRC DST --bits 8|4`: a float checkpoint quantized on the CPU host, no XLA
+devices (quantization/offline.py); DST then loads as it is, never quantized again."""
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    p.add_argument("src", help="float checkpoint directory (config.json and safetensors weights)")
+    p.add_argument("dst", help="directory for the quantized checkpoint (new or empty; "
+                   "--overwrite to replace the checkpoint in it)")
+    p.add_argument("--bits", type=int, required=True, choices=(8, 4), help="int8 (8) or int4 (4)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="elements per scale (-1: per channel; default: 32 for int4, -1 for int8)")
+    p.add_argument("--asym", action="store_true", help="asymmetric: a zero point per group")
+    p.add_argument("--zero-point", choices=("int8", "float"), default=None,
+                   help="with --asym: an int8 zero point (default) or a float offset per group")
+    p.add_argument("--scale-dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                   help="how scales are stored (default bfloat16)")
+    search = p.add_mutually_exclusive_group()
+    search.add_argument("--search", dest="search", action="store_true", default=None,
+                        help="the C engine's error-minimising scale search (default for int4)")
+    search.add_argument("--no-search", dest="search", action="store_false",
+                        help="absmax / min-max scales (default for int8)")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="PATTERN",
+                   help="layers kept in full precision (names or patterns, e.g. '*.o_proj')")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the output "
+                   "projection too (a head tied to the embeddings stays float)")
+    p.add_argument("--quantize-embeddings", action="store_true",
+                   help="also store the token embedding table as int8")
+    p.add_argument("--dtype", default=None, help="dtype of the float tensors kept (default: the "
+                   "checkpoint's, as from_pretrained loads it): bf16, fp16 or fp32")
+    p.add_argument("--max-shard-size", default="2GB", help="as save_pretrained (default 2GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint in a DST "
+                   "that is not empty (other files in it are kept)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def config_from(args):
+    from .quantization import QuantizationConfig
+
+    if args.zero_point is not None and not args.asym:
+        raise ValueError("--zero-point describes an asymmetric format: add --asym")
+    kw = dict(n_bits=args.bits, block_size=args.block_size, symmetric=not args.asym,
+              exclude_layers=list(args.exclude), quantize_lm_head=args.quantize_lm_head,
+              quantize_embeddings=args.quantize_embeddings)
+    for key, value in (("zero_point", args.zero_point), ("scale_dtype", args.scale_dtype),
+                       ("scale_search", args.search)):
+        if value is not None:
+            kw[key] = value
+    return QuantizationConfig(**kw)
+
+
+def run(args, dtypes: dict) -> int:
+    import sys
+    import time
+
+    import torch
+
+    from .quantization.offline import quantize_checkpoint
+
+    config = config_from(args)
+    dtype = "auto"
+    if args.dtype is not None:
+        if args.dtype.lower() not in dtypes:
+            raise ValueError(f"unknown dtype {args.dtype!r}; use one of {', '.join(sorted(dtypes))}")
+        dtype = getattr(torch, dtypes[args.dtype.lower()])
+    start = time.perf_counter()
+    dst = quantize_checkpoint(args.src, args.dst, config, dtype=dtype,
+                              max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                              progress=False if args.quiet else None)
+    size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+    print(f"quantized {args.src} -> {dst} ({config.n_bits}-bit, block_size {config.block_size}"
+          f"{', asym' if not config.symmetric else ''}): {size / 2**20:.1f} MiB of weights in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
