@@ -7,6 +7,8 @@
         --bits plans quantized linears (backends chosen as on a TPU unless --cpu); a checkpoint
         AutoXLA saved quantized shows its quantized tensors without --bits.
         --batch/--max-len add generation's static KV cache: spec and bytes per device.
+        --comm [--batch B --seq S | --batch B --max-len L]: the collectives and bytes per device
+        of a training step over B x S tokens, or of a decode step of B sequences, per layer.
     autoxla generate PATH --prompt TEXT [--strategy fsdp] [--dtype bf16] [--bits 8|4
                  [--block-size N]] [--attention splash_attention] [--max-new-tokens 64]
                  [--do-sample [--temperature T] [--top-k K] [--top-p P]] [--seed S]
@@ -89,22 +91,44 @@ def _cmd_plan(args) -> int:
     plan = plan_from_config(args.path, args.strategy, args.devices, args.dtype, qcfg,
                             on_tpu=not args.cpu, scan_layers=not args.no_scan)
     kv = None
-    if args.batch is not None or args.max_len is not None:
+    if args.max_len is not None or (args.batch is not None and args.seq is None):
         if args.batch is None or args.max_len is None:
             raise ValueError("--batch and --max-len go together: the KV cache of BATCH sequences "
                              "of MAX_LEN tokens")
         kv = plan.kv_cache(args.batch, args.max_len)
+    comm = _communication(plan, args)
     if args.json:
         d = plan.to_dict()
         if kv is not None:
             d["kv_cache"] = {**kv.__dict__, "bytes_per_device": kv.bytes_per_device(plan.mesh),
                              "total_bytes": kv.total_bytes}
+        if comm is not None:
+            d["communication"] = {k: dict(zip(("ops", "payload_bytes", "wire_bytes"), v))
+                                  for k, v in comm.totals().items()}
         print(json.dumps(d, indent=1))
     else:
         print(plan)
         if kv is not None:
             print(kv.describe(plan.mesh))
+        if comm is not None:
+            print(comm.describe())
     return 0
+
+
+def _communication(plan, args):
+    """--comm: a training step with --seq, else a decode step (the batch of --max-len)."""
+    if not args.comm:
+        if args.seq is not None:
+            raise ValueError("--seq is the training sequence length of --comm: add --comm")
+        return None
+    if args.batch is None or (args.seq is None and args.max_len is None):
+        raise ValueError("--comm needs --batch B and --seq S (a training step) or --batch B and "
+                         "--max-len L (a decode step)")
+    from .planning.communication import communication
+
+    if args.seq is not None:
+        return communication(plan, batch=args.batch, seq=args.seq, train=True)
+    return communication(plan, batch=args.batch, train=False)
 
 
 def _cmd_demo(args) -> int:
@@ -177,6 +201,9 @@ def _main(argv) -> int:
     p.add_argument("--cpu", action="store_true", help="choose matmul backends as off a TPU")
     p.add_argument("--batch", type=int, default=None, help="with --max-len: plan the KV cache")
     p.add_argument("--max-len", type=int, default=None, help="KV cache length (slots)")
+    p.add_argument("--comm", action="store_true", help="collectives per step: with --batch and "
+                   "--seq a training step, with --batch and --max-len a decode step")
+    p.add_argument("--seq", type=int, default=None, help="training sequence length (--comm)")
     p.add_argument("--no-scan", action="store_true", help="plan the decoder stack unrolled "
                    "(as from_pretrained(scan_layers=False))")
     p.set_defaults(func=_cmd_plan)

@@ -1,0 +1,1 @@
+"""Forecasts from a Plan alone (memory, communication) and their check against compiled programs."""

@@ -1,0 +1,233 @@
+"""Communication per step, forecast from a Plan alone: which collectives a training step or a
+decode step needs on the plan's mesh, per decoder layer and in total.
+
+Bytes are per device: an op's *payload* is the buffer one device holds for it (an all-gather's
+gathered result, a reduce-scatter's unreduced input, an all-reduce's buffer), which is what the
+partitioned HLO shows (planning/measure.py reads it back). *Wire* bytes add the ring algorithm's
+factor, the data each device sends: (n-1)/n of the payload for an all-gather or reduce-scatter
+over n devices, 2(n-1)/n for an all-reduce (a reduce-scatter then an all-gather).
+
+The rules (docs/planning.md, "Communication per step"):
+- a weight split over fsdp is all-gathered over fsdp before its forward use, and again in
+  backward (the gathered copy is not kept: that is what FSDP saves);
+- every gradient is reduced over the axes the batch is split on (data x fsdp): reduce-scattered
+  (over data x fsdp, to the fsdp shard) when the weight is split over fsdp, else all-reduced;
+- a row-parallel linear split on model sums partial products: one all-reduce of its output
+  [tokens, out] per forward; the column-parallel linears of one module (q/k/v, gate/up) share an
+  input whose gradient is partial: one all-reduce of [tokens, in] per backward (Megatron);
+- an embedding split by vocabulary looks up locally and all-reduces [tokens, hidden], the token
+  ids first gathered over the batch axes that also split the vocabulary (what XLA's partitioner
+  does for a gather from a split table);
+- the loss: its mean over the split batch, one scalar all-reduce (in train mode; measured).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..sharding import rules
+
+_ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1,
+            "int32": 4, "int64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_HLO_DTYPE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+              "int8": "s8", "uint8": "u8", "int32": "s32", "int64": "s64", "uint32": "u32"}
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+BATCH_AXES = ("data", "fsdp")
+
+
+@dataclass(frozen=True)
+class CommOp:
+    kind: str                  # all-gather | reduce-scatter | all-reduce
+    what: str                  # e.g. "weight model.layers.0.mlp.up_proj.weight"
+    phase: str                 # forward | backward | gradient
+    dtype: str                 # torch dtype name
+    shape: tuple[int, ...]     # payload per device
+    axes: tuple[str, ...]      # mesh axes the op runs over
+    group_size: int
+    layer: int | None = None   # decoder layer index, None outside the layers
+    count: int = 1
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.count * math.prod(self.shape) * _ELEMENT.get(self.dtype, 4)
+
+    @property
+    def wire_bytes(self) -> float:
+        n = self.group_size
+        ring = 2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n
+        return self.payload_bytes * ring
+
+    @property
+    def shape_str(self) -> str:
+        return f"{_HLO_DTYPE.get(self.dtype, self.dtype)}[{','.join(map(str, self.shape))}]"
+
+
+@dataclass
+class CommReport:
+    strategy: str
+    mesh: object
+    train: bool
+    batch: int
+    seq: int
+    ops: list[CommOp] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def per_layer(self) -> dict:
+        """layer (None = outside the decoder layers) -> its ops."""
+        out = defaultdict(list)
+        for op in self.ops:
+            out[op.layer].append(op)
+        return dict(out)
+
+    def totals(self) -> dict[str, tuple[int, int, float]]:
+        """kind -> (number of ops, payload bytes, wire bytes) per device per step."""
+        t = defaultdict(lambda: [0, 0, 0.0])
+        for op in self.ops:
+            r = t[op.kind]
+            r[0] += op.count
+            r[1] += op.payload_bytes
+            r[2] += op.wire_bytes
+        return {k: tuple(v) for k, v in t.items()}
+
+    def describe(self) -> str:
+        step = (f"training step (forward + backward + gradient sync), batch {self.batch} x seq "
+                f"{self.seq}" if self.train else f"decode step, batch {self.batch}")
+        lines = [f"communication per {step}, strategy {self.strategy}, mesh {self.mesh}; bytes "
+                 "per device (payload = the buffer each device holds; wire = payload x ring "
+                 "factor (n-1)/n, 2(n-1)/n for all-reduce)"]
+        layers = self.per_layer()
+        rows = [("where", "op", "phase", "over", "ops", "payload MiB", "wire MiB")]
+        for layer in sorted(layers, key=lambda x: -1 if x is None else x):
+            grouped = defaultdict(lambda: [0, 0, 0.0])
+            for op in layers[layer]:
+                g = grouped[(op.kind, op.phase, "x".join(op.axes))]
+                g[0] += op.count
+                g[1] += op.payload_bytes
+                g[2] += op.wire_bytes
+            where = "outside layers" if layer is None else f"layer {layer}"
+            for (kind, phase, axes), (n, pay, wire) in grouped.items():
+                rows.append((where, kind, phase, axes, str(n), f"{pay / 2**20:.3f}",
+                             f"{wire / 2**20:.3f}"))
+        for kind, (n, pay, wire) in self.totals().items():
+            rows.append(("total", kind, "", "", str(n), f"{pay / 2**20:.3f}", f"{wire / 2**20:.3f}"))
+        n, pay, wire = (sum(v[i] for v in self.totals().values()) for i in range(3))
+        rows.append(("total", "all", "", "", str(n), f"{pay / 2**20:.3f}", f"{wire / 2**20:.3f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def communication(plan, *, batch: int, seq: int = 1, train: bool = True) -> CommReport:
+    """The collectives of one step of ``plan``'s model: a training step over ``batch`` sequences
+    of ``seq`` tokens, or (``train=False``) a decode step of one token for ``batch`` sequences."""
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
+    mesh = plan.mesh
+    report = CommReport(plan.strategy, mesh, train, batch, seq if train else 1)
+    tokens = _local_tokens(mesh, batch, seq if train else 1, report.notes)
+    act = _activation_dtype(plan)
+    dsize = mesh.size(BATCH_AXES)
+    add = report.ops.append
+    params = [t for t in plan.parameters if not t.tied_to]
+    for t in params:
+        layer = _layer(t.name)
+        fsdp_dim = _dim_on(t, "fsdp") if mesh.fsdp > 1 else None
+        gathered = _restore(t.shard_shape, fsdp_dim, mesh.fsdp)
+        if t.role == rules.EMBEDDING:
+            _embedding(t, mesh, tokens, act, layer, add)
+        elif fsdp_dim is not None:
+            for phase in ("forward", "backward") if train else ("forward",):
+                add(CommOp("all-gather", f"weight {t.name}", phase, t.dtype, gathered, ("fsdp",),
+                           mesh.fsdp, layer))
+        if train and dsize > 1:
+            if fsdp_dim is not None:
+                # With data > 1 too, XLA reduces over data x fsdp in one op (measured on 3d)
+                # rather than a reduce-scatter over fsdp then an all-reduce over data.
+                axes = BATCH_AXES if mesh.data > 1 else ("fsdp",)
+                add(CommOp("reduce-scatter", f"gradient {t.name}", "gradient", t.dtype, gathered,
+                           axes, mesh.size(axes), layer))
+            else:
+                add(CommOp("all-reduce", f"gradient {t.name}", "gradient", t.dtype, t.shard_shape,
+                           BATCH_AXES, dsize, layer))
+    if mesh.model > 1:
+        _tensor_parallel(params, mesh, tokens, act, train, add)
+    if train and dsize > 1:
+        add(CommOp("all-reduce", "loss: the mean over the batch", "forward", "float32", (),
+                   BATCH_AXES, dsize, None))
+    return report
+
+
+def _tensor_parallel(params, mesh, tokens, act, train, add):
+    """Megatron's activation all-reduces over model: after each row-parallel linear forward,
+    and once per module of column-parallel linears backward (their shared input's gradient)."""
+    columns = {}
+    for t in params:
+        if not t.name.endswith(".weight") or len(t.shape) != 2:
+            continue
+        parent = t.name.rsplit(".", 2)[0]
+        if t.role == rules.ROW and _dim_on(t, "model") == 1:
+            add(CommOp("all-reduce", f"activation after {t.name}", "forward", act,
+                       (tokens, t.shape[0]), ("model",), mesh.model, _layer(t.name)))
+        elif t.role in (rules.COLUMN, rules.LM_HEAD) and _dim_on(t, "model") == 0:
+            columns.setdefault(parent, t)
+    if train:
+        for parent, t in columns.items():
+            add(CommOp("all-reduce", f"input gradient of {parent}", "backward", act,
+                       (tokens, t.shape[1]), ("model",), mesh.model, _layer(t.name)))
+
+
+def _embedding(t, mesh, tokens, act, layer, add):
+    """A table split by vocabulary: local lookup, all-reduce of [tokens, hidden-shard]; the ids
+    are gathered first over batch axes that also split the table."""
+    axes = _axes_of(t.spec[0])
+    if not axes or mesh.size(axes) == 1:
+        return
+    shared = tuple(a for a in axes if a in BATCH_AXES)
+    n_tokens = tokens * mesh.size(shared)
+    if mesh.size(shared) > 1:
+        add(CommOp("all-gather", f"token ids for {t.name}", "forward", "uint32", (n_tokens,),
+                   shared, mesh.size(shared), layer))
+    add(CommOp("all-reduce", f"lookup in {t.name}", "forward", act, (n_tokens, t.shard_shape[1]),
+               axes, mesh.size(axes), layer))
+
+
+def _local_tokens(mesh, batch, seq, notes) -> int:
+    split = mesh.size(BATCH_AXES)
+    if batch % split:
+        notes.append(f"batch {batch} does not divide data x fsdp = {split}: counted replicated")
+        return batch * seq
+    return batch // split * seq
+
+
+def _activation_dtype(plan) -> str:
+    if plan.dtype != "checkpoint":
+        return plan.dtype
+    floats = [t.dtype for t in plan.parameters if t.dtype.startswith(("float", "bfloat"))]
+    return floats[0] if floats else "float32"
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _dim_on(t, axis: str) -> int | None:
+    for i, entry in enumerate(t.spec):
+        if axis in _axes_of(entry):
+            return i
+    return None
+
+
+def _restore(shard_shape, dim, n) -> tuple[int, ...]:
+    if dim is None:
+        return tuple(shard_shape)
+    return tuple(s * n if i == dim else s for i, s in enumerate(shard_shape))
+
+
+def _layer(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
