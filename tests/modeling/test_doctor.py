@@ -1,0 +1,73 @@
+"""`autoxla doctor`: one run in a fresh process on the 8 CPU devices, its sections and facts."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from AutoXLA import _native
+from AutoXLA.cli import main
+from AutoXLA.generation import compile_cache
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    from AutoXLA.tiny import save_tiny_checkpoint
+
+    # head_dim 16, alternating sliding-window / global layers, logit soft-cap.
+    return save_tiny_checkpoint("gemma2", tmp_path_factory.mktemp("doctor") / "gemma2")
+
+
+def _doctor(*argv, tmp_path):
+    # The cache's probe (two more runtime starts) is tested in generation/test_compile_cache.py;
+    # here its remembered verdict is read, so the run starts the runtime once.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "autoxla-selftest.json").write_text(json.dumps(
+        {"key": compile_cache._runtime_key(), "works": False, "detail": "remembered"}))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")
+    r = subprocess.run([sys.executable, "-m", "AutoXLA.cli", "doctor", *map(str, argv),
+                        "--compile-cache", str(cache)], capture_output=True, text=True,
+                       timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_doctor_reports_devices_isa_and_kernels(gemma2, tmp_path):
+    r = json.loads(_doctor(gemma2, "--seq", "600", "--batch", "3", "--strategy", "2d", "--json",
+                           tmp_path=tmp_path))
+    assert set(r) == {"versions", "native", "devices", "compile_cache", "attention"}
+    assert r["versions"]["torch_xla"] and r["versions"]["python"] == sys.version.split()[0]
+    assert r["native"]["isa"] == _native.best_isa()
+    assert r["native"]["abi_version"] == _native.ABI_VERSION
+    d = r["devices"]
+    assert d["ok"] and d["device_count"] == 8 and d["device_type"] == "CPU" and d["spmd"]
+    assert d["pallas"].startswith("not on a TPU")
+    assert r["compile_cache"] == {"directory": str(tmp_path / "cache"), "reads_back": False,
+                                  "detail": "remembered"}
+    a = r["attention"]
+    assert a["head_dim"] == 16 and "not a multiple of the TPU's 128 lanes" in a["head_dim_note"]
+    local, glob = a["layers"]            # Gemma 2: layer 0 sliding window, layer 1 global
+    assert local["window"] == 6 and glob["window"] is None
+    assert local["xla_flash_attention"] == "no sliding window or logit soft-cap in flash"
+    assert glob["xla_flash_attention"] == "no logit soft-cap in flash"
+    assert "sa_block_q=512 does not divide the sequence length 600" in glob["splash_attention"]
+    assert "the batch 3 does not divide data*fsdp = 4" in glob["splash_attention"]
+
+
+def test_doctor_text_report_and_a_kernel_that_fits(checkpoints, tmp_path):
+    out = _doctor(checkpoints["llama"], "--seq", "512", tmp_path=tmp_path)
+    for section in ("versions", "C core", "devices", "persistent compilation cache",
+                    "attention kernels of"):
+        assert f"\n{section}" in f"\n{out}", out
+    assert f"ISA selected: {_native.best_isa()}" in out and "8 CPU device(s), SPMD on" in out
+    # Llama: no window, no soft-cap, 512 fits the 512 blocks: both kernels for every layer.
+    assert "layers 0-1: xla_flash_attention: yes; splash_attention: yes" in out
+
+
+def test_doctor_bad_arguments(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err
+    assert main(["doctor", "--seq", "0"]) == 2
+    assert "--seq 0: pass a positive number" in capsys.readouterr().err
