@@ -206,6 +206,8 @@ def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} "
                          "--xla_dump_hlo_as_text")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "AutoXLA.planning.measure", os.fspath(path), strategy,
            str(batch), str(seq), "train" if train else "decode"]
     if replicate_activations:
