@@ -141,3 +141,23 @@ def test_bad_input_is_one_line(checkpoints, tmp_path, capsys):
     assert (user / "notes.txt").read_text() == "mine" and "quantized" in capsys.readouterr().err
     assert "already quantized" in err(user, tmp_path / "d2", "--bits", "4")
     assert not (tmp_path / "d").exists() and not (tmp_path / "d2").exists()
+
+
+def test_a_failure_midway_leaves_no_checkpoint(checkpoints, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "nan"
+    shutil.copytree(checkpoints["llama"], src)
+    name = "model.layers.1.mlp.down_proj.weight"      # late: earlier tensors are written by then
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    dst = tmp_path / "dst"
+    assert main(["quantize", str(src), str(dst), "--bits", "8", "--quiet"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("autoxla: error: cannot quantize model.layers.1.mlp.down_proj") and "\n" not in line
+    # The journaled save rolled back: no config.json, no shard, no temporary, no journal.
+    assert os.listdir(dst) == []
