@@ -1,0 +1,283 @@
+"""Per-device memory of training and inference, from a Plan and the model's config alone.
+
+Every line carries the formula it was computed by (docs/planning.md, "Memory forecast"). Counted:
+the tensors a program keeps alive by design (weights, gradients, optimizer states, what autograd
+saves for the backward, the KV cache, logits). Not counted: XLA's temporaries inside a fused
+layer, its buffer reuse and fragmentation, the runtime's own reservations: the headroom is for those.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..sharding import rules
+from ..sharding.configs import decoder_config
+
+OPTIMIZERS = ("adamw", "sgd", "sgdm", "lion", "came", "sm3")
+_FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# Layer types whose attention normalises q and k per head (an RMSNorm over head_dim each).
+_QK_NORM = frozenset({"qwen3", "qwen3_moe", "olmo2", "gemma3", "gemma3_text"})
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """One training step: ``batch`` sequences of ``seq`` tokens, the optimizer, checkpointing."""
+
+    batch: int
+    seq: int
+    optimizer: str = "adamw"
+    grad_ckpt: bool = False
+
+    def __post_init__(self):
+        _positive("batch", self.batch, "--batch")
+        _positive("seq", self.seq, "--seq")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; use one of "
+                             f"{', '.join(OPTIMIZERS)} (sgdm: SGD with momentum)")
+
+
+@dataclass(frozen=True)
+class InferenceSetup:
+    """Generation: ``batch`` sequences in a static KV cache of ``max_len`` slots."""
+
+    batch: int
+    max_len: int
+
+    def __post_init__(self):
+        _positive("batch", self.batch, "--batch")
+        _positive("max_len", self.max_len, "--max-len")
+
+
+def _positive(name, value, flag):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive whole number, got {value!r}: pass {flag} N")
+
+
+@dataclass(frozen=True)
+class Line:
+    name: str
+    bytes_per_device: int
+    formula: str
+
+
+@dataclass
+class Forecast:
+    """Lines of per-device bytes; ``capacity`` (bytes per device) once a topology is known."""
+
+    mode: str                     # "train" | "infer"
+    lines: list[Line]
+    capacity: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(line.bytes_per_device for line in self.lines)
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.capacity is None else self.capacity - self.total
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity is None else self.total <= self.capacity
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "total_bytes_per_device": self.total,
+                "capacity_bytes_per_device": self.capacity, "headroom_bytes": self.headroom,
+                "fits": self.fits, "notes": list(self.notes),
+                "lines": [dict(name=x.name, bytes_per_device=x.bytes_per_device, formula=x.formula)
+                          for x in self.lines]}
+
+    def describe(self) -> str:
+        width = max(len(x.name) for x in self.lines)
+        out = [f"memory forecast per device ({self.mode}):"]
+        out += [f"  {x.name.ljust(width)}  {_gib(x.bytes_per_device):>10}  {x.formula}"
+                for x in self.lines]
+        total = f"  {'total'.ljust(width)}  {_gib(self.total):>10}"
+        if self.capacity is not None:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            total += (f"  of {_gib(self.capacity)} per device: {verdict}, headroom "
+                      f"{_gib(self.headroom)} ({self.headroom / self.capacity:.0%})")
+        out.append(total)
+        out += [f"  note: {n}" for n in self.notes]
+        return "\n".join(out)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+# --- parameters, gradients, optimizer states -------------------------------------------------
+
+def _trainable(plan):
+    """Floating parameters stored once (a tied weight shares its source's storage and gradient)."""
+    return [t for t in plan.parameters if not t.tied_to and t.dtype in _FLOAT_BYTES]
+
+
+def optimizer_state_bytes(optimizer: str, shape: tuple, dtype: str) -> int:
+    """Bytes of the state ``optimizer`` allocates for one parameter of ``shape`` (whole, or one
+    device's shard: the states are sharded like their parameter, dim by dim)."""
+    e, n = _FLOAT_BYTES[dtype], math.prod(shape)
+    if optimizer == "adamw":        # torch.optim.AdamW: exp_avg, exp_avg_sq like p, step fp32 ()
+        return 2 * n * e + 4
+    if optimizer == "sgd":          # torch.optim.SGD, momentum=0: no state
+        return 0
+    if optimizer in ("sgdm", "lion"):   # momentum_buffer / exp_avg like p
+        return n * e
+    if optimizer == "came":
+        # pytorch_optimizer 4.1 CAME: exp_avg like p; rank >= 2: row (shape[:-1]) and column
+        # (shape[:-2] + shape[-1:]) averages of the squared gradient and of the residual;
+        # vectors: a full exp_avg_sq; and the parameter's RMS, a scalar in its dtype.
+        if len(shape) >= 2:
+            return n * e + 2 * (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:])) * e + e
+        return 2 * n * e + e
+    if optimizer == "sm3":
+        # pytorch_optimizer 4.1 SM3: momentum_buffer like p (allocated even at momentum=0) and one
+        # accumulator per dim (shape[i] entries); a scalar's accumulator is the scalar.
+        return n * e + (sum(shape) if shape else 1) * e
+    raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+_STATE_FORMULA = {
+    "adamw": "2 x params (exp_avg, exp_avg_sq in the param dtype) + 4 B step per tensor",
+    "sgd": "0 (no momentum; sgdm keeps 1 x params)",
+    "sgdm": "1 x params (momentum_buffer)",
+    "lion": "1 x params (exp_avg)",
+    "came": "exp_avg (1 x params) + 2 x (rows + cols) per matrix, vectors 2 x params; RMS scalar",
+    "sm3": "momentum_buffer (1 x params) + sum(shape) per tensor (one accumulator per dim)",
+}
+
+
+# --- activations ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a decoder layer's activations depend on, read from the (text) config."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts_per_token: int = 1
+    qk_norm: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> LayerShape:
+        c = decoder_config(config)
+        heads = getattr(c, "num_attention_heads", None)
+        need = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+        missing = [f for f in need if not getattr(c, f, None)]
+        if missing:
+            raise ValueError(f"{type(c).__name__} has no {', '.join(missing)}: AutoXLA forecasts "
+                             "activations of decoder language models only")
+        return cls(hidden=c.hidden_size, intermediate=c.intermediate_size, heads=heads,
+                   kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   vocab=c.vocab_size, experts_per_token=getattr(c, "num_experts_per_tok", None) or 1,
+                   qk_norm=getattr(c, "model_type", "") in _QK_NORM)
+
+
+def layer_saved_bytes_per_token(s: LayerShape, e: int, model: int = 1) -> float:
+    """Bytes one decoder layer saves for its backward per token (docs/planning.md): two RMSNorms
+    (an fp32 copy of the input, the fp32 rsqrt, the normalised and scaled outputs), q, k, v and
+    their rotary halves, the attention's fp32 log-sum-exp, the gated MLP's four intermediates;
+    head and intermediate terms split over the model axis where they divide."""
+    q = s.heads * s.head_dim / (model if s.heads % model == 0 else 1)
+    kv = s.kv_heads * s.head_dim / (model if s.kv_heads % model == 0 else 1)
+    nq = s.heads / (model if s.heads % model == 0 else 1)
+    inter = s.experts_per_token * s.intermediate / (model if s.intermediate % model == 0 else 1)
+    norms = 2 * (4 * s.hidden + 4 + 2 * e * s.hidden)
+    attention = e * (2 * q + 2 * kv) + 4 * nq
+    if s.qk_norm:     # fp32 copy, rsqrt and normalised q and k per head
+        attention += (4 + e) * (q + kv) + 4 * (q + kv) / s.head_dim
+    return norms + attention + 4 * e * inter
+
+
+def _batch_shards(plan, batch: int) -> int:
+    return plan.mesh.size(rules.batch_axes(plan.mesh, batch))
+
+
+def _note_unsplit_batch(f, plan, batch, shards):
+    want = plan.mesh.size(("data", "fsdp"))
+    if shards == 1 and want > 1:
+        f.notes.append(f"batch {batch} does not divide data*fsdp = {want}: every device holds "
+                       f"the whole batch's activations; a multiple of {want} splits them")
+
+
+def _act_dtype(plan) -> tuple[str, int]:
+    dtype = plan.dtype if plan.dtype in _FLOAT_BYTES else "float32"
+    return dtype, _FLOAT_BYTES[dtype]
+
+
+def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
+    """Parameters, gradients, optimizer states, activations saved for the backward and logits of
+    one training step, per device."""
+    params = _trainable(plan)
+    p_bytes = sum(t.bytes_per_device for t in plan.tensors if not t.tied_to)
+    g_bytes = sum(t.bytes_per_device for t in params)
+    s_bytes = sum(optimizer_state_bytes(setup.optimizer, t.shard_shape, t.dtype) for t in params)
+    lines = [Line("parameters", p_bytes, "sum of the plan's bytes per device (exact)"),
+             Line("gradients", g_bytes, "1 x trainable params, sharded and typed like them"),
+             Line(f"optimizer ({setup.optimizer})", s_bytes, _STATE_FORMULA[setup.optimizer])]
+    f = Forecast("train", lines)
+    if plan.attention is None:
+        f.notes.append(f"{plan.model_class} is not a decoder LM: activations and logits are not "
+                       "forecast (only its parameters, gradients and optimizer states)")
+        return f
+    shape = LayerShape.from_config(config)
+    dtype, e = _act_dtype(plan)
+    layers = plan.attention[0]
+    shards = _batch_shards(plan, setup.batch)
+    tokens = setup.batch * setup.seq / shards          # tokens per device
+    _note_unsplit_batch(f, plan, setup.batch, shards)
+    per_layer = layer_saved_bytes_per_token(shape, e, plan.mesh.model)
+    scanned = plan.stack is not None and plan.stack.scanned
+    b_s = f"B*S/{shards}" if shards > 1 else "B*S"
+    if scanned or setup.grad_ckpt:
+        # Checkpointed layer by layer (a scanned stack always is, docs/scan.md): each layer's
+        # input is kept, one layer's saved tensors are alive while it is recomputed.
+        act = layers * tokens * e * shape.hidden + tokens * per_layer
+        why = "scanned stack: checkpointed per layer" if scanned else "--grad-ckpt"
+        formula = (f"{why}: L*{b_s}*hidden*{e} + {b_s}*A, A = {per_layer:.0f} B/token "
+                   "saved by one layer")
+    else:
+        act = layers * tokens * per_layer
+        formula = f"unrolled, no checkpointing: L*{b_s}*A, A = {per_layer:.0f} B/token per layer"
+    lines.append(Line("activations", int(act), formula))
+    vocab_split = plan.mesh.model if shape.vocab % plan.mesh.model == 0 else 1
+    logits = tokens * shape.vocab / vocab_split * (e + 4 + 4)
+    lines.append(Line("logits", int(logits), f"{b_s}*vocab/{vocab_split}*({e}+4+4): logits in "
+                      f"{dtype}, their fp32 log-softmax and its gradient"))
+    return f
+
+
+def inference_forecast(plan, config, setup: InferenceSetup) -> Forecast:
+    """Weights, the KV cache, the larger of prefill's and decode's live activations, logits."""
+    kv = plan.kv_cache(setup.batch, setup.max_len)
+    lines = [Line("weights", plan.bytes_per_device(),
+                  "sum of the plan's bytes per device (exact; quantized tensors as planned)"),
+             Line("KV cache", kv.bytes_per_device(plan.mesh),
+                  f"2*L*B*kv_heads*max_len*head_dim*bytes, spec {kv.spec} (exact)")]
+    shape = LayerShape.from_config(config)
+    dtype, e = _act_dtype(plan)
+    shards, m = _batch_shards(plan, setup.batch), plan.mesh.model
+    f = Forecast("infer", lines)
+    _note_unsplit_batch(f, plan, setup.batch, shards)
+
+    def live(tokens):   # one layer at a time (no autograd): residual + normed + the larger part
+        q = shape.heads * shape.head_dim / (m if shape.heads % m == 0 else 1)
+        kvd = shape.kv_heads * shape.head_dim / (m if shape.kv_heads % m == 0 else 1)
+        inter = shape.experts_per_token * shape.intermediate / (m if shape.intermediate % m == 0 else 1)
+        return tokens / shards * e * (2 * shape.hidden + max(2 * q + 2 * kvd, 3 * inter))
+
+    prefill, decode = live(setup.batch * setup.max_len), live(setup.batch)
+    lines.append(Line("activations", int(max(prefill, decode)),
+                      f"one layer alive: tokens/{shards}*{e}*(2*hidden + max(2q+2kv, 3*inter)); "
+                      f"prefill B*max_len {_gib(int(prefill))}, decode B*1 {_gib(int(decode))}"))
+    vocab_split = m if shape.vocab % m == 0 else 1
+    lines.append(Line("logits", int(setup.batch / shards * shape.vocab / vocab_split * (e + 4)),
+                      f"B/{shards}*vocab/{vocab_split}*({e}+4): the last position only, "
+                      "and its fp32 copy for sampling"))
+    return f

@@ -1,0 +1,96 @@
+"""TPU presets, shipped model configs, and `autoxla plan` over them offline and fast."""
+import subprocess
+import sys
+
+import pytest
+
+from AutoXLA.planning.model_configs import shipped_config_dir, shipped_ids
+from AutoXLA.planning.topology import PRESETS, topology
+
+
+@pytest.mark.parametrize("name, chips, hosts, hbm_gib", [
+    ("v4-8", 4, 1, 32),         # v4 and v5p names count TensorCores, two per chip
+    ("v5p-128", 64, 16, 95),    # 4x4x4: 64 chips on 16 hosts (Cloud TPU v5p table)
+    ("v5p-64", 32, 8, 95),
+    ("v5e-8", 8, 1, 16),        # v5e and v6e names count chips; 8 on one host
+    ("v5e-16", 16, 4, 16),
+    ("v5e-256", 256, 64, 16),
+    ("v6e-8", 8, 1, 32),
+    ("v6e-256", 256, 64, 32),
+    ("V5LITEPOD-16", 16, 4, 16),   # the gcloud spelling of v5e
+])
+def test_presets(name, chips, hosts, hbm_gib):
+    t = topology(name)
+    assert (t.chips, t.hosts, t.hbm_bytes) == (chips, hosts, hbm_gib * 2**30)
+    assert t.chips_per_host * t.hosts == t.chips
+
+
+def test_unknown_topology_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown topology 'v5p-7'; use one of v4-8, .*v6e-256"):
+        topology("v5p-7")
+
+
+EXPECTED = {   # (hidden, layers, heads, kv heads) of the decoder models, from their hub configs
+    "meta-llama/Llama-2-7b-hf": (4096, 32, 32, 32), "meta-llama/Llama-2-13b-hf": (5120, 40, 40, 40),
+    "meta-llama/Llama-2-70b-hf": (8192, 80, 64, 8), "meta-llama/Llama-3.1-8B": (4096, 32, 32, 8),
+    "meta-llama/Llama-3.1-70B": (8192, 80, 64, 8), "meta-llama/Llama-3.1-405B": (16384, 126, 128, 8),
+    "mistralai/Mistral-7B-v0.1": (4096, 32, 32, 8), "mistralai/Mixtral-8x7B-v0.1": (4096, 32, 32, 8),
+    "google/gemma-2-9b": (3584, 42, 16, 8), "google/gemma-2-27b": (4608, 46, 32, 16),
+    "Qwen/Qwen3-8B": (4096, 36, 32, 8), "Qwen/Qwen3-32B": (5120, 64, 64, 8),
+}
+
+
+def test_shipped_configs_read_offline():
+    from AutoXLA.modeling.empty import load_config
+
+    assert set(EXPECTED) <= set(shipped_ids())
+    assert {"facebook/sam-vit-huge", "facebook/sam2.1-hiera-large",
+            "nvidia/segformer-b5-finetuned-ade-640-640",
+            "facebook/mask2former-swin-large-coco-panoptic"} <= set(shipped_ids())
+    assert shipped_config_dir("META-LLAMA/llama-3.1-70b") == shipped_config_dir(
+        "meta-llama/Llama-3.1-70B") and shipped_config_dir("someone/else") is None
+    for hub_id, dims in EXPECTED.items():
+        c = load_config(shipped_config_dir(hub_id))
+        assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+                c.num_key_value_heads) == dims, hub_id
+
+
+# In a fresh interpreter that refuses torch_xla: every shipped config once, the presets in turn,
+# decoder LMs forecast for training or inference; each call timed after one warm-up call (the
+# first pays for importing transformers' model code).
+_TIMED = r"""
+import contextlib, io, sys, time
+class _NoXLA:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch_xla":
+            raise ImportError("autoxla plan must not import torch_xla")
+sys.meta_path.insert(0, _NoXLA())
+from AutoXLA.cli import main
+from AutoXLA.planning.model_configs import shipped_ids
+presets = ["v4-8", "v5e-8", "v5e-16", "v5e-256", "v5p-128", "v6e-8", "v6e-256", "v5p-64"]
+def run(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(argv)
+    assert rc == 0, argv
+run(["plan", "meta-llama/Llama-2-7b-hf", "--json"])
+for i, hub in enumerate(shipped_ids()):
+    argv = ["plan", hub, "--topology", presets[i % len(presets)], "--json"]
+    if not any(k in hub for k in ("sam", "segformer", "mask2former")):
+        argv += ["--train", "--batch", "256", "--seq", "2048"] if i % 2 else \
+                ["--infer", "--batch", "256", "--max-len", "4096", "--dtype", "bf16"]
+    t = time.perf_counter()
+    run(argv)
+    print(f"{time.perf_counter() - t:.3f} {' '.join(argv[1:])}")
+assert "torch_xla" not in sys.modules
+"""
+
+
+def test_plan_every_shipped_config_offline_without_torch_xla_in_under_2s():
+    out = subprocess.run([sys.executable, "-c", _TIMED], capture_output=True, text=True,
+                         timeout=600, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    times = [line.split(" ", 1) for line in out.stdout.splitlines()]
+    assert len(times) == len(shipped_ids())
+    slow = [(float(t), what) for t, what in times if float(t) >= 2.0]
+    assert not slow, slow
