@@ -154,3 +154,17 @@ def test_cli_forecast_against_a_topology_in_json(capsys):
 def test_cli_reports_bad_forecast_arguments(capsys, argv, message):
     assert main(["plan", "meta-llama/Llama-3.1-8B", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_recommend_ranks_fitting_meshes_first(capsys):
+    import json
+
+    assert main(["plan", "meta-llama/Llama-2-7b-hf", "--topology", "v5e-8", "--train",
+                 "--batch", "8", "--seq", "1024", "--recommend", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["recommendation"]
+    assert {r["strategy"] for r in rows} == {"fsdp", "dp", "mp", "2d", "3d"}
+    fits = [r["fits"] for r in rows]
+    assert fits == sorted(fits, reverse=True) and fits[0] and not fits[-1]   # dp: 7B whole
+    assert rows[-1]["strategy"] == "dp"
+    ok = [r["bytes_per_device"] for r in rows if r["fits"]]
+    assert ok == sorted(ok)
