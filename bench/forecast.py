@@ -12,7 +12,9 @@ summed (reduce-scatter and all-reduce together: XLA:CPU emits a reduce-scatter a
 then a slice). Goal: measured within 10 % of the forecast, or the difference explained
 (docs/planning.md, "Forecast vs measured"). Then collectives the forecast did not predict, by op
 and shape, and the buffer assignment's argument / output / temp bytes per device beside the
-plan's weights per device.
+plan's weights per device. Last, mp / 2d / 3d again with Megatron's activation layout forced
+(the residual stream whole on model; an experiment, not what the plan does) to show how much of
+their difference is the plan's activation layout.
 """
 from __future__ import annotations
 
@@ -50,19 +52,24 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="autoxla-forecast-")
     path = save_tiny_checkpoint("llama", os.path.join(root, "llama"))
     rows, reports, memory = [], [], []
-    for strategy in args.strategies.split(","):
+    # Then the model-axis strategies again with Megatron's activation layout (an experiment,
+    # measure.py's megatron-activations): how much of their difference is the plan's layout.
+    runs = [(s, False) for s in args.strategies.split(",")]
+    runs += [(s, True) for s in args.strategies.split(",") if s in ("mp", "2d", "3d")]
+    for strategy, megatron in runs:
         plan = cli.plan_from_config(path, strategy, 8)
         for train in (True, False):
             seq = args.seq if train else 1
             forecast = communication(plan, batch=args.batch, seq=seq, train=train)
             m = measure_step(path, strategy, batch=args.batch, seq=seq, train=train,
-                             dump_dir=os.path.join(root, "dump"))
+                             dump_dir=os.path.join(root, "dump"), megatron_activations=megatron)
+            label = strategy + (" (megatron layout)" if megatron else "")
             fn, fb = _sums(forecast.ops, lambda o: o.count)
             mn, mb = _sums(m.collectives)
             total_f, total_m = sum(fb.values()), sum(mb.values())
             step = "train" if train else "decode"
             ratio = total_m / total_f if total_f else float("nan")
-            rows.append((strategy, step, f"{fn['gather']} / {fb['gather'] / 1024:.1f}",
+            rows.append((label, step, f"{fn['gather']} / {fb['gather'] / 1024:.1f}",
                          f"{mn['gather']} / {mb['gather'] / 1024:.1f}",
                          f"{fn['reduce']} / {fb['reduce'] / 1024:.1f}",
                          f"{mn['reduce']} / {mb['reduce'] / 1024:.1f}",
@@ -72,12 +79,12 @@ def main() -> int:
                          "-" if not total_f else f"{ratio:.3f}",
                          "yes" if total_f and abs(ratio - 1) <= 0.10 else
                          ("yes" if not total_f and not total_m else "no")))
-            reports.append((strategy, step, compare(forecast, m.collectives).describe()))
+            reports.append((label, step, compare(forecast, m.collectives).describe()))
             b = m.buffers
-            memory.append((strategy, step, f"{plan.bytes_per_device() / 1024:.1f}",
+            memory.append((label, step, f"{plan.bytes_per_device() / 1024:.1f}",
                            f"{b.argument / 1024:.1f}", f"{b.output / 1024:.1f}",
                            f"{b.temp / 1024:.1f}", f"{b.total / 1024:.1f}"))
-            print(f"measured {strategy} {step}", file=sys.stderr, flush=True)
+            print(f"measured {label} {step}", file=sys.stderr, flush=True)
     print(f"Collectives per step, tiny llama, batch {args.batch}, seq {args.seq} (decode: 1 token "
           "per sequence); ops / KiB payload per device")
     _table(("strategy", "step", "gather fc", "gather meas", "reduce fc", "reduce meas",

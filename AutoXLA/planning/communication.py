@@ -13,12 +13,15 @@ The rules (docs/planning.md, "Communication per step"):
 - every gradient is reduced over the axes the batch is split on (data x fsdp): reduce-scattered
   (over data x fsdp, to the fsdp shard) when the weight is split over fsdp, else all-reduced;
 - a row-parallel linear split on model sums partial products: one all-reduce of its output
-  [tokens, out] per forward; the column-parallel linears of one module (q/k/v, gate/up) share an
-  input whose gradient is partial: one all-reduce of [tokens, in] per backward (Megatron);
+  [tokens, out] per forward; a column-parallel linear's input gradient is partial: one
+  all-reduce of [tokens, in] per backward and linear (Megatron sums q/k/v's and gate/up's first,
+  2 per layer; XLA all-reduces each, 5 per layer: measured);
 - an embedding split by vocabulary looks up locally and all-reduces [tokens, hidden], the token
   ids first gathered over the batch axes that also split the vocabulary (what XLA's partitioner
   does for a gather from a split table);
-- the loss: its mean over the split batch, one scalar all-reduce (in train mode; measured).
+- the loss: its mean over the split batch, one scalar all-reduce (in train mode; measured);
+  over a vocabulary split on model, 3 all-reduces of [tokens] (max, sum of exp, the label's
+  logit); a decode step gathers the logits [batch, vocab] over model to pick the next token.
 """
 from __future__ import annotations
 
@@ -163,19 +166,27 @@ def communication(plan, *, batch: int, seq: int = 1, train: bool = True) -> Comm
 def _tensor_parallel(params, mesh, tokens, act, train, add):
     """Megatron's activation all-reduces over model: after each row-parallel linear forward,
     and once per module of column-parallel linears backward (their shared input's gradient)."""
-    columns = {}
+    columns = []
     for t in params:
         if not t.name.endswith(".weight") or len(t.shape) != 2:
             continue
-        parent = t.name.rsplit(".", 2)[0]
         if t.role == rules.ROW and _dim_on(t, "model") == 1:
             add(CommOp("all-reduce", f"activation after {t.name}", "forward", act,
                        (tokens, t.shape[0]), ("model",), mesh.model, _layer(t.name)))
         elif t.role in (rules.COLUMN, rules.LM_HEAD) and _dim_on(t, "model") == 0:
-            columns.setdefault(parent, t)
+            columns.append(t)
+        if t.role == rules.LM_HEAD and _dim_on(t, "model") == 0:
+            if train:   # cross-entropy over a vocabulary split on model: max, sum of exp, label
+                add(CommOp("all-reduce", "loss over the split vocabulary", "forward", "float32",
+                           (tokens,), ("model",), mesh.model, None, 3))
+            else:       # the next token is chosen from whole logits
+                add(CommOp("all-gather", "logits for sampling", "forward", act,
+                           (tokens, t.shape[0]), ("model",), mesh.model, None))
     if train:
-        for parent, t in columns.items():
-            add(CommOp("all-reduce", f"input gradient of {parent}", "backward", act,
+        # One per linear: XLA all-reduces each one's partial input gradient before summing them
+        # (measured: q, k, v and gate, up are 5 all-reduces per layer, not Megatron's 2).
+        for t in columns:
+            add(CommOp("all-reduce", f"input gradient of {t.name}", "backward", act,
                        (tokens, t.shape[1]), ("model",), mesh.model, _layer(t.name)))
 
 

@@ -189,7 +189,8 @@ class Measured:
 
 
 def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump_dir,
-                 replicate_activations: bool = False, timeout: float = 600) -> Measured:
+                 replicate_activations: bool = False, megatron_activations: bool = False,
+                 timeout: float = 600) -> Measured:
     """Compile one training step (forward + backward, no optimizer) or one decode-shaped forward
     (``seq`` tokens, no cache) of the checkpoint at ``path`` on the 8 CPU devices; the collectives
     and buffer sizes of the partitioned program. ``replicate_activations`` injects a sharding
@@ -212,6 +213,8 @@ def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump
            str(batch), str(seq), "train" if train else "decode"]
     if replicate_activations:
         cmd.append("replicate-activations")
+    if megatron_activations:    # an experiment: Megatron's activation layout instead of the plan's
+        cmd.append("megatron-activations")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode:
         raise RuntimeError(f"compiling the {strategy} step failed:\n{r.stderr[-3000:]}")
@@ -234,6 +237,12 @@ def _child(path, strategy, batch, seq, mode, *flags):
     from AutoXLA.modeling import AutoXLAModelForCausalLM, wrap
 
     dev = backend.device()
+    if "megatron-activations" in flags:
+        # An experiment, not the plan: the residual stream whole on model (layer outputs not
+        # split on hidden, the embedding's lookup gathered), Megatron's layout.
+        spec = wrap.activation_spec
+        wrap.activation_spec = lambda t, mesh: (None if (s := spec(t, mesh)) is None else
+                                                 tuple(None if a == "model" else a for a in s))
     if "replicate-activations" in flags:
         def replicated(output, mesh):
             t = output[0] if isinstance(output, (tuple, list)) else output
@@ -244,6 +253,10 @@ def _child(path, strategy, batch, seq, mode, *flags):
     model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=strategy,
                                                     scan_layers=False)
     backend.sync()
+    if "megatron-activations" in flags:
+        mesh = model.autoxla_mesh
+        model.get_input_embeddings().register_forward_hook(
+            lambda _m, _i, out: backend.mark_sharding(out, mesh, (("data", "fsdp"), None, None)))
     ids = torch.randint(3, 200, (int(batch), int(seq)), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     if mode == "train":
