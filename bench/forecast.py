@@ -81,9 +81,11 @@ def main() -> int:
                          ("yes" if not total_f and not total_m else "no")))
             reports.append((label, step, compare(forecast, m.collectives).describe()))
             b = m.buffers
+            fc = _memory_forecast(plan, path, args.batch, seq, train)
             memory.append((label, step, f"{plan.bytes_per_device() / 1024:.1f}",
-                           f"{b.argument / 1024:.1f}", f"{b.output / 1024:.1f}",
-                           f"{b.temp / 1024:.1f}", f"{b.total / 1024:.1f}"))
+                           f"{b.argument / 1024:.1f}", fc.get("grads", "-"),
+                           f"{b.output / 1024:.1f}", fc["act"], f"{b.temp / 1024:.1f}",
+                           f"{b.total / 1024:.1f}"))
             print(f"measured {label} {step}", file=sys.stderr, flush=True)
     print(f"Collectives per step, tiny llama, batch {args.batch}, seq {args.seq} (decode: 1 token "
           "per sequence); ops / KiB payload per device")
@@ -93,18 +95,29 @@ def main() -> int:
     for strategy, step, text in reports:
         print(f"{strategy} {step}: {text}")
     print()
-    memory_note = ("AutoXLA/planning/memory.py is not on main yet: the memory comparison is "
-                   "pending; measured numbers only")
-    try:
-        import AutoXLA.planning.memory  # noqa: F401
-        memory_note = "AutoXLA/planning/memory.py exists: compare its forecast with these"
-    except ImportError:
-        pass
-    print("Buffer assignment of the compiled program per device (KiB); plan weights per device "
-          f"from the plan. {memory_note}")
-    _table(("strategy", "step", "plan weights", "arguments", "outputs", "temp", "XLA total"),
-           memory)
+    print("Memory per device (KiB): planning/memory.py's forecast (fc) beside XLA's buffer "
+          "assignment of the compiled program (arguments = weights + inputs, outputs = what the "
+          "step returns, temp = the rest); activations fc = saved activations + logits "
+          "(training), the larger of prefill/decode live activations + logits (decode)")
+    _table(("strategy", "step", "weights fc", "arguments", "gradients fc", "outputs",
+            "activations fc", "temp", "XLA total"), memory)
     return 0
+
+
+def _memory_forecast(plan, path, batch, seq, train) -> dict:
+    from AutoXLA.modeling.empty import load_config
+    from AutoXLA.planning import memory
+
+    config = load_config(path)
+    if train:   # no optimizer in the measured step: SGD's state is none
+        f = memory.training_forecast(plan, config, memory.TrainingSetup(batch, seq, "sgd"))
+    else:
+        f = memory.inference_forecast(plan, config, memory.InferenceSetup(batch, seq))
+    by = {line.name: line.bytes_per_device for line in f.lines}
+    out = {"act": f"{(by.get('activations', 0) + by.get('logits', 0)) / 1024:.1f}"}
+    if "gradients" in by:
+        out["grads"] = f"{by['gradients'] / 1024:.1f}"
+    return out
 
 
 def _table(header, rows):
