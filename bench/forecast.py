@@ -1,7 +1,7 @@
 """Forecast vs measured: the collectives (and buffer sizes) of compiled steps on 8 CPU devices
 against planning/communication.py's forecast from the plan alone, per strategy, in one run.
 
-    PYTHONPATH=$PWD python bench/forecast.py [--strategies fsdp,dp,mp,2d,3d] [--batch 8] [--seq 16]
+    PYTHONPATH=$PWD python bench/forecast.py [--strategies fsdp,dp,mp,2d,3d] [--batch 8] [--seq 16] [--keep]
 
 The model is the tiny llama fixture (AutoXLA.tiny: 2 layers, hidden 64, 4 heads / 2 kv heads,
 vocab 256, fp32). For each strategy a training step (forward + backward, no optimizer) over
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from collections import Counter
@@ -48,6 +49,7 @@ def main() -> int:
     ap.add_argument("--strategies", default="fsdp,dp,mp,2d,3d")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--keep", action="store_true", help="keep XLA's dumps (printed where)")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="autoxla-forecast-")
     path = save_tiny_checkpoint("llama", os.path.join(root, "llama"))
@@ -101,6 +103,10 @@ def main() -> int:
           "(training), the larger of prefill/decode live activations + logits (decode)")
     _table(("strategy", "step", "weights fc", "arguments", "gradients fc", "outputs",
             "activations fc", "temp", "XLA total"), memory)
+    if args.keep:
+        print(f"\nXLA's dumps kept in {root}/dump")
+    else:
+        shutil.rmtree(root, ignore_errors=True)    # ~50 MB of dumps
     return 0
 
 
