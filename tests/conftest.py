@@ -10,15 +10,6 @@ os.environ.setdefault("CPU_NUM_DEVICES", "8")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")   # XLA's GSPMD deprecation banner, once per graph
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # tests never reach the hub
-# The suite's time is mostly XLA:CPU compiling tiny programs that then run for milliseconds:
-# LLVM at -O0 compiles them ~3x faster (a Mask2Former forward: 33 s -> 12 s). XLA's HLO passes
-# are the same; the machine code differs, and so do results in the last bits (measured: logits
-# within 5e-6 of -O2's, Mask2Former's within 1.2e-5, greedy tokens identical), far inside every
-# tolerance here, each of which is set against an independent reference, not against -O2.
-# XLA:CPU stands in for the TPU in these tests either way; bench/ and users keep the default.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_backend_optimization_level=0").strip()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
