@@ -539,9 +539,6 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
     target.mkdir(parents=True, exist_ok=True)
     tensors = _tensors(inner)
     groups = shard_groups({n: t.numel() * t.element_size() for n, t in tensors.items()}, limit)
-    generation = getattr(inner, "generation_config", None)
-    generation = generation.to_json_string() if hasattr(generation, "to_json_string") else None
-
     def write_shards(paths: list[Path], groups: list[list[str]]) -> None:
         for path, group in zip(paths, groups):
             # One shard at a time on the host: an XLA tensor's .cpu() gathers its shards.
@@ -549,7 +546,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
             save_file(host, str(path), metadata={"format": "pt"})
             del host
 
-    write_checkpoint(target, groups, write_shards, _config_json(inner), generation)
+    write_checkpoint(target, groups, write_shards, _config_json(inner), generation_json(inner))
 
 
 def shard_groups(sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -628,6 +625,12 @@ def _stored_bytes(path: Path) -> int:
     """The tensor bytes of a safetensors file: its size less the 8-byte length and the header."""
     with open(path, "rb") as f:
         return os.fstat(f.fileno()).st_size - 8 - int.from_bytes(f.read(8), "little")
+
+
+def generation_json(model: nn.Module) -> str | None:
+    """The model's generation_config.json text, or None when it has none."""
+    generation = getattr(model, "generation_config", None)
+    return generation.to_json_string() if hasattr(generation, "to_json_string") else None
 
 
 def _config_json(model: nn.Module) -> str:

@@ -55,8 +55,6 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
     specs = {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
     groups = saving.shard_groups({n: t.numel() * t.element_size() for n, t in stored.items()},
                                  saving._parse_size(max_shard_size))
-    generation = getattr(model, "generation_config", None)
-    generation = generation.to_json_string() if hasattr(generation, "to_json_string") else None
 
     def write_shards(paths, groups):
         writer = ShardWriter(specs, groups, paths)
@@ -67,7 +65,8 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
         writer.close()
 
     dst.mkdir(parents=True, exist_ok=True)
-    saving.write_checkpoint(dst, groups, write_shards, saving._config_json(model), generation)
+    saving.write_checkpoint(dst, groups, write_shards, saving._config_json(model),
+                           saving.generation_json(model))
     _copy_companions(src, dst)
     return dst
 
