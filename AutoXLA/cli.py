@@ -11,8 +11,8 @@
         of a training step over B x S tokens, or of a decode step of B sequences, per layer.
         --train --batch B --seq S [--optimizer adamw|sgd|sgdm|lion|came|sm3] [--grad-ckpt], or
         --infer --batch B --max-len L: memory per device, line by line; --topology v5p-128 etc.
-        compares it with the chip's HBM, --recommend ranks strategies and meshes
-        (docs/planning.md). PATH may be a hub id AutoXLA ships the config of (offline).
+        compares it with the chip's HBM, --recommend ranks strategies and meshes, --plot FILE.png
+        draws it (docs/planning.md). PATH may be a hub id AutoXLA ships the config of (offline).
     autoxla generate PATH --prompt TEXT [--strategy fsdp] [--dtype bf16] [--bits 8|4
                  [--block-size N]] [--attention splash_attention] [--max-new-tokens 64]
                  [--do-sample [--temperature T] [--top-k K] [--top-p P]] [--seed S]
@@ -39,148 +39,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from . import doctor, eval_cli, generate_cli, quantize_cli
+from . import doctor, eval_cli, generate_cli, plan_cli, quantize_cli
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
-
-
-def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, dtype=None,
-                     quantization_config=None, on_tpu: bool = True, scan_layers: bool = True):
-    """The Plan of a causal LM or segmentation checkpoint, from its config on the meta device.
-
-    The model class is the one from_pretrained would build: a causal LM or image-text-to-text
-    model (modeling/causal.py) if transformers has one for the config, else the first
-    segmentation auto class (in the seed's order) that knows it.
-    """
-    from .sharding.mesh import mesh_shape_for, normalize_strategy
-
-    strategy = normalize_strategy(strategy)
-    r, config = meta_model(path_or_config, dtype, quantization_config, on_tpu)
-    return plan_for_mesh(r, config, strategy, mesh_shape_for(strategy, devices), scan_layers)
-
-
-def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: bool = True):
-    """(the model built on the meta device, quantized as asked; its config). A hub id that
-    AutoXLA ships the config of (planning/model_configs.py) is read offline."""
-    import torch
-    from transformers import PretrainedConfig
-
-    from .modeling.causal import causal_or_image_text_class
-    from .modeling.empty import load_config
-    from .modeling.pipeline import empty_model, pick_auto_class, quantize_on_meta
-    from .modeling.segmentation import auto_classes
-    from .planning.model_configs import shipped_config_dir
-
-    if isinstance(path_or_config, PretrainedConfig):
-        config = path_or_config
-    else:
-        path = os.fspath(path_or_config)
-        if os.path.isfile(path):            # a config.json given directly
-            path = os.path.dirname(os.path.abspath(path))
-        elif not os.path.exists(path):
-            path = shipped_config_dir(path) or path
-        config = load_config(path)
-    if isinstance(dtype, str):
-        if dtype.lower() not in _DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPES))}")
-        dtype = getattr(torch, _DTYPES[dtype.lower()])
-    from transformers.initialization import no_init_weights
-
-    auto_class = causal_or_image_text_class(config) or pick_auto_class(auto_classes(), config)
-    with no_init_weights():     # a plan reads shapes only: random init on meta is wasted time
-        r = empty_model(config, auto_class, dtype if dtype is not None else "auto")
-    quantize_on_meta(r, quantization_config, on_tpu)
-    return r, config
-
-
-def plan_for_mesh(r, config, strategy: str, mesh, scan_layers: bool = True):
-    """The Plan of ``meta_model``'s model on ``mesh`` (one model serves many meshes)."""
-    from .sharding.plan import build_plan
-
-    return build_plan(r.model, config, mesh, strategy, r.dtype, r.tied, scan_layers=scan_layers)
-
-
-def _cmd_plan(args) -> int:
-    from .planning import cli_plan
-    from .sharding.mesh import mesh_shape_for, normalize_strategy
-
-    qcfg = None
-    if args.bits is not None:
-        from .quantization import QuantizationConfig
-
-        qcfg = QuantizationConfig(n_bits=args.bits, block_size=args.block_size,
-                                  symmetric=not args.asym)
-    elif args.block_size is not None or args.asym:
-        raise ValueError("--block-size and --asym describe quantization: add --bits 8 or --bits 4")
-    req = cli_plan.request(args)       # every flag checked before a model is built
-    strategy = normalize_strategy(args.strategy)
-    with cli_plan.one_thread():
-        r, config = meta_model(args.path, args.dtype, qcfg, on_tpu=not args.cpu)
-        plan = plan_for_mesh(r, config, strategy, mesh_shape_for(strategy, req.devices),
-                             scan_layers=not args.no_scan)
-    kv = None
-    if req.training is None and (args.max_len is not None or
-                                 (args.batch is not None and args.seq is None)):
-        if args.batch is None or args.max_len is None:
-            raise ValueError("--batch and --max-len go together: the KV cache of BATCH sequences "
-                             "of MAX_LEN tokens")
-        kv = plan.kv_cache(args.batch, args.max_len)
-    comm = _communication(plan, args)
-    fc = cli_plan.forecast(req, plan, config)
-    ranking = cli_plan.recommend(req, lambda s, m: plan_for_mesh(
-        r, config, s, m, scan_layers=not args.no_scan), config) if req.recommend else None
-    if args.json:
-        d = plan.to_dict()
-        if kv is not None:
-            d["kv_cache"] = {**kv.__dict__, "bytes_per_device": kv.bytes_per_device(plan.mesh),
-                             "total_bytes": kv.total_bytes}
-        if comm is not None:
-            d["communication"] = {k: dict(zip(("ops", "payload_bytes", "wire_bytes"), v))
-                                  for k, v in comm.totals().items()}
-        if req.topology is not None:
-            d["topology"] = req.topology.to_dict()
-        if fc is not None:
-            d["forecast"] = fc.to_dict()
-        if ranking is not None:
-            d["recommendation"] = [dict(strategy=s, mesh=dict(zip(("data", "fsdp", "model"),
-                                        m.sizes)), bytes_per_device=t, fits=ok,
-                                        wire_bytes_per_step=w) for ok, t, s, m, _, w in ranking]
-        print(json.dumps(d, indent=1))
-    else:
-        print(plan)
-        if kv is not None:
-            print(kv.describe(plan.mesh))
-        if comm is not None:
-            print(comm.describe())
-        if req.topology is not None:
-            print(req.topology.describe())
-        if fc is not None:
-            print(fc.describe())
-        if ranking is not None:
-            print(cli_plan.describe_ranking(ranking, req))
-    return 0
-
-
-def _communication(plan, args):
-    """--comm: a training step with --seq, else a decode step (the batch of --max-len)."""
-    if not args.comm:
-        if args.seq is not None and not args.train:
-            raise ValueError("--seq is the training sequence length of --comm or --train: add "
-                             "one of them")
-        return None
-    if args.batch is None or (args.seq is None and args.max_len is None):
-        raise ValueError("--comm needs --batch B and --seq S (a training step) or --batch B and "
-                         "--max-len L (a decode step)")
-    from .planning.communication import communication
-
-    if args.seq is not None:
-        return communication(plan, batch=args.batch, seq=args.seq, train=True)
-    return communication(plan, batch=args.batch, train=False)
+# `autoxla plan`'s building blocks, public here as before (tests and scripts import them).
+from .planning.from_config import DTYPE_NAMES as _DTYPES
+from .planning.from_config import meta_model, plan_for_mesh, plan_from_config  # noqa: F401
 
 
 def _cmd_demo(args) -> int:
@@ -237,33 +103,12 @@ def _one_line(e: BaseException) -> str:
 
 
 def _main(argv) -> int:
-    from .planning import cli_plan
-
     parser = _Parser(prog="autoxla", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("plan", help="print the sharding plan of a checkpoint from its config")
-    p.add_argument("path", help="checkpoint directory, config.json, or hub id")
-    p.add_argument("--strategy", default="fsdp", help="fsdp, dp, mp, 2d or 3d (default fsdp)")
-    p.add_argument("--devices", type=int, default=None, help="number of devices (default 8, "
-                   "or the --topology's chips)")
-    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--bits", type=int, default=None, help="plan int8 (8) or int4 (4) linears")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="elements per scale (-1: per channel; default: 32 for int4, -1 for int8)")
-    p.add_argument("--asym", action="store_true", help="asymmetric (zero points)")
-    p.add_argument("--cpu", action="store_true", help="choose matmul backends as off a TPU")
-    p.add_argument("--batch", type=int, default=None, help="with --max-len: plan the KV cache")
-    p.add_argument("--max-len", type=int, default=None, help="KV cache length (slots)")
-    p.add_argument("--comm", action="store_true", help="collectives per step: with --batch and "
-                   "--seq a training step, with --batch and --max-len a decode step")
-    p.add_argument("--seq", type=int, default=None, help="training sequence length (--comm, "
-                   "--train)")
-    p.add_argument("--no-scan", action="store_true", help="plan the decoder stack unrolled "
-                   "(as from_pretrained(scan_layers=False))")
-    cli_plan.add_arguments(p)
-    p.set_defaults(func=_cmd_plan)
+    plan_cli.add_arguments(p)
+    p.set_defaults(func=plan_cli.run)
     g = sub.add_parser("generate", help="load a checkpoint sharded and stream generated text")
     generate_cli.add_arguments(g)
     g.set_defaults(func=lambda a: generate_cli.run(a, _DTYPES))

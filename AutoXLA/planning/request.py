@@ -1,4 +1,5 @@
-"""`autoxla plan`'s forecast flags: --train / --infer, --topology, --recommend.
+"""What `autoxla plan`'s forecast flags ask for (--train / --infer, --topology, --recommend,
+--plot), and the forecasts and ranking they produce.
 
 The flags are checked together once (``Request``), before any model is built, so a bad
 combination is one clear error.
@@ -15,25 +16,6 @@ from .topology import PRESETS, Topology, topology
 # Headroom kept free for what the forecast does not count (XLA temporaries, fragmentation).
 DEFAULT_HEADROOM = 0.10
 RECOMMEND_STRATEGIES = ("fsdp", "2d", "3d", "mp", "dp")
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--train", action="store_true", help="forecast one training step's memory "
-                   "per device (needs --batch and --seq)")
-    p.add_argument("--infer", action="store_true", help="forecast generation's memory per device "
-                   "(needs --batch and --max-len)")
-    p.add_argument("--optimizer", default=None, help=f"with --train: {', '.join(OPTIMIZERS)} "
-                   "(default adamw; sgdm is SGD with momentum)")
-    p.add_argument("--grad-ckpt", action="store_true", help="with --train: checkpoint each "
-                   "layer of an unrolled stack (a scanned one always is)")
-    p.add_argument("--scan", action="store_true", help="plan the decoder stack scanned (the "
-                   "default; --no-scan for unrolled)")
-    p.add_argument("--topology", default=None, help="a Cloud TPU slice, e.g. v5p-128, v5e-8, "
-                   "v6e-256: sets --devices, compares the forecast with its HBM")
-    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="fraction of HBM "
-                   f"kept free for what is not forecast (default {DEFAULT_HEADROOM})")
-    p.add_argument("--recommend", action="store_true", help="with --topology: rank strategies "
-                   "and mesh shapes by fit and bytes per device")
 
 
 @contextlib.contextmanager
@@ -59,6 +41,7 @@ class Request:
     inference: InferenceSetup | None
     headroom: float
     recommend: bool
+    plot: str | None = None      # the picture's file (planning/plot.py), checked writable
 
 
 def request(args) -> Request:
@@ -97,8 +80,12 @@ def request(args) -> Request:
             raise ValueError("--infer needs --batch B and --max-len L: the sequences generated "
                              "at once and the KV cache's length")
         inference = InferenceSetup(args.batch, args.max_len)
+    if args.plot is not None:
+        from .plot import check_path
+
+        check_path(args.plot)
     return Request(devices if devices is not None else 8, topo, training, inference,
-                   args.headroom, args.recommend)
+                   args.headroom, args.recommend, args.plot)
 
 
 def forecast(req: Request, plan, config):
