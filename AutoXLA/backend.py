@@ -271,6 +271,14 @@ def mark_sharding(t: torch.Tensor, mesh, spec: tuple, with_gradients: bool = Fal
     return t
 
 
+def shard_like(t: torch.Tensor, source: torch.Tensor) -> None:
+    """Annotates ``t`` with ``source``'s sharding (a gradient with its parameter's), if any."""
+    torch_xla, _, _ = _xla()
+    if torch_xla._XLAC._get_xla_sharding_type(source) is None:
+        return
+    torch_xla._XLAC._xla_mark_sharding(t, torch_xla._XLAC._get_xla_op_sharding(source))
+
+
 def sharding_spec(t: torch.Tensor) -> str:
     """XLA's sharding string for ``t`` ("" when unsharded); call after sync()."""
     torch_xla, _, _ = _xla()

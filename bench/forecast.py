@@ -12,9 +12,10 @@ summed (reduce-scatter and all-reduce together: XLA:CPU emits a reduce-scatter a
 then a slice). Goal: measured within 10 % of the forecast, or the difference explained
 (docs/planning.md, "Forecast vs measured"). Then collectives the forecast did not predict, by op
 and shape, and the buffer assignment's argument / output / temp bytes per device beside the
-plan's weights per device. Last, mp / 2d / 3d again with Megatron's activation layout forced
-(the residual stream whole on model; an experiment, not what the plan does) to show how much of
-their difference is the plan's activation layout.
+plan's weights per device. Last, two choices of the plan measured against their alternative in
+the same run: mp / 2d / 3d with the activation layout AutoXLA used before Megatron's (the
+residual stream split on hidden over model), and fsdp training with gradients left unannotated
+(XLA returned them whole on every device).
 """
 from __future__ import annotations
 
@@ -54,22 +55,28 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="autoxla-forecast-")
     path = save_tiny_checkpoint("llama", os.path.join(root, "llama"))
     rows, reports, memory = [], [], []
-    # Then the model-axis strategies again with Megatron's activation layout (an experiment,
-    # measure.py's megatron-activations): how much of their difference is the plan's layout.
-    runs = [(s, False) for s in args.strategies.split(",")]
-    runs += [(s, True) for s in args.strategies.split(",") if s in ("mp", "2d", "3d")]
-    for strategy, megatron in runs:
-        plan = cli.plan_from_config(path, strategy, 8)
-        for train in (True, False):
+    # Then the model-axis strategies again in the layout before Megatron's, and fsdp with its
+    # gradients left to XLA (no annotation): what each choice costs or saves.
+    names = args.strategies.split(",")
+    runs = [(s, "") for s in names]
+    runs += [(s, "hidden split") for s in names if s in ("mp", "2d", "3d")]
+    runs += [(s, "free gradients") for s in names if s == "fsdp"]
+    totals = {}
+    for strategy, variant in runs:
+        plan = cli.plan_from_config(path, strategy, 8, scan_layers=False)   # as measured
+        for train in (True, False) if variant != "free gradients" else (True,):
             seq = args.seq if train else 1
             forecast = communication(plan, batch=args.batch, seq=seq, train=train)
             m = measure_step(path, strategy, batch=args.batch, seq=seq, train=train,
-                             dump_dir=os.path.join(root, "dump"), megatron_activations=megatron)
-            label = strategy + (" (megatron layout)" if megatron else "")
+                             dump_dir=os.path.join(root, "dump"),
+                             hidden_split_activations=variant == "hidden split",
+                             free_gradients=variant == "free gradients")
+            label = strategy + (f" ({variant})" if variant else "")
             fn, fb = _sums(forecast.ops, lambda o: o.count)
             mn, mb = _sums(m.collectives)
             total_f, total_m = sum(fb.values()), sum(mb.values())
             step = "train" if train else "decode"
+            totals[(strategy, step, variant)] = (total_m, m.buffers.output)
             ratio = total_m / total_f if total_f else float("nan")
             rows.append((label, step, f"{fn['gather']} / {fb['gather'] / 1024:.1f}",
                          f"{mn['gather']} / {mb['gather'] / 1024:.1f}",
@@ -93,16 +100,28 @@ def main() -> int:
           "per sequence); ops / KiB payload per device")
     _table(("strategy", "step", "gather fc", "gather meas", "reduce fc", "reduce meas",
             "permute+a2a meas", "total fc KiB", "total meas KiB", "meas/fc", "within 10 %"), rows)
+    print("\nMeasured per device, the plan's choices against the alternative, same run: "
+          "collective KiB, and output KiB (what the step returns: gradients, loss)")
+    rows2 = []
+    for (s, step, variant), (comm, out) in totals.items():
+        if variant:
+            base_comm, base_out = totals[(s, step, "")]
+            rows2.append((s, step, variant, f"{comm / 1024:.1f}", f"{base_comm / 1024:.1f}",
+                          f"{comm / max(base_comm, 1):.2f}", f"{out / 1024:.1f}",
+                          f"{base_out / 1024:.1f}"))
+    _table(("strategy", "step", "alternative", "alt comm", "plan comm", "alt/plan",
+            "alt outputs", "plan outputs"), rows2)
     print()
     for strategy, step, text in reports:
         print(f"{strategy} {step}: {text}")
     print()
     print("Memory per device (KiB): planning/memory.py's forecast (fc) beside XLA's buffer "
           "assignment of the compiled program (arguments = weights + inputs, outputs = what the "
-          "step returns, temp = the rest); activations fc = saved activations + logits "
-          "(training), the larger of prefill/decode live activations + logits (decode)")
+          "step returns, temp = the rest); temp fc = FSDP's gathered weights + saved activations "
+          "+ logits (training), gathered weights + the larger of prefill/decode live "
+          "activations + logits (decode)")
     _table(("strategy", "step", "weights fc", "arguments", "gradients fc", "outputs",
-            "activations fc", "temp", "XLA total"), memory)
+            "temp fc", "temp", "XLA total"), memory)
     if args.keep:
         print(f"\nXLA's dumps kept in {root}/dump")
     else:
@@ -120,7 +139,8 @@ def _memory_forecast(plan, path, batch, seq, train) -> dict:
     else:
         f = memory.inference_forecast(plan, config, memory.InferenceSetup(batch, seq))
     by = {line.name: line.bytes_per_device for line in f.lines}
-    out = {"act": f"{(by.get('activations', 0) + by.get('logits', 0)) / 1024:.1f}"}
+    temp = by.get("gathered weights", 0) + by.get("activations", 0) + by.get("logits", 0)
+    out = {"act": f"{temp / 1024:.1f}"}
     if "gradients" in by:
         out["grads"] = f"{by['gradients'] / 1024:.1f}"
     return out

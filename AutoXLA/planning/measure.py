@@ -189,12 +189,17 @@ class Measured:
 
 
 def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump_dir,
-                 replicate_activations: bool = False, megatron_activations: bool = False,
+                 replicate_activations: bool = False, hidden_split_activations: bool = False,
+                 free_gradients: bool = False,
                  timeout: float = 600) -> Measured:
     """Compile one training step (forward + backward, no optimizer) or one decode-shaped forward
     (``seq`` tokens, no cache) of the checkpoint at ``path`` on the 8 CPU devices; the collectives
     and buffer sizes of the partitioned program. ``replicate_activations`` injects a sharding
-    mistake (every decoder layer's output forced replicated) for tests of the report."""
+    mistake (every decoder layer's output forced replicated) for tests of the report;
+    ``hidden_split_activations`` compiles the layout AutoXLA used before Megatron's (the residual
+    stream split on hidden over model), ``free_gradients`` leaves gradients unannotated (as
+    before modeling/wrap.py gave them their parameters' sharding): both for the bench's
+    before/after comparisons."""
     import glob
     import os
     import subprocess
@@ -213,8 +218,10 @@ def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump
            str(batch), str(seq), "train" if train else "decode"]
     if replicate_activations:
         cmd.append("replicate-activations")
-    if megatron_activations:    # an experiment: Megatron's activation layout instead of the plan's
-        cmd.append("megatron-activations")
+    if hidden_split_activations:
+        cmd.append("hidden-split-activations")
+    if free_gradients:
+        cmd.append("free-gradients")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode:
         raise RuntimeError(f"compiling the {strategy} step failed:\n{r.stderr[-3000:]}")
@@ -237,12 +244,14 @@ def _child(path, strategy, batch, seq, mode, *flags):
     from AutoXLA.modeling import AutoXLAModelForCausalLM, wrap
 
     dev = backend.device()
-    if "megatron-activations" in flags:
-        # An experiment, not the plan: the residual stream whole on model (layer outputs not
-        # split on hidden, the embedding's lookup gathered), Megatron's layout.
+    if "hidden-split-activations" in flags:
+        # The layout before Megatron's: every 3-d activation's last dim split on model where it
+        # divides, the embedding's lookup left as the (fsdp, model) table produces it.
         spec = wrap.activation_spec
-        wrap.activation_spec = lambda t, mesh: (None if (s := spec(t, mesh)) is None else
-                                                 tuple(None if a == "model" else a for a in s))
+        wrap.activation_spec = lambda t, mesh, vocab=False: spec(t, mesh, t.dim() == 3)
+        wrap._shard_embedding_output = lambda model, mesh: None
+    if "free-gradients" in flags:
+        wrap._shard_gradients_like_parameters = lambda model, mesh: None
     if "replicate-activations" in flags:
         def replicated(output, mesh):
             t = output[0] if isinstance(output, (tuple, list)) else output
@@ -253,10 +262,6 @@ def _child(path, strategy, batch, seq, mode, *flags):
     model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=strategy,
                                                     scan_layers=False)
     backend.sync()
-    if "megatron-activations" in flags:
-        mesh = model.autoxla_mesh
-        model.get_input_embeddings().register_forward_hook(
-            lambda _m, _i, out: backend.mark_sharding(out, mesh, (("data", "fsdp"), None, None)))
     ids = torch.randint(3, 200, (int(batch), int(seq)), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     if mode == "train":

@@ -8,6 +8,7 @@ layer, its buffer reuse and fragmentation, the runtime's own reservations: the h
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..sharding import rules
@@ -148,6 +149,47 @@ _STATE_FORMULA = {
 }
 
 
+# --- weights gathered by FSDP ---------------------------------------------------------------
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _uses(spec: tuple, axis: str) -> bool:
+    return any(a == axis or (isinstance(a, tuple) and axis in a) for a in spec)
+
+
+def gathered_weights(plan, train: bool) -> Line | None:
+    """Weights split over fsdp are gathered whole on fsdp before their matmul (still split over
+    model), and the copies are temporaries the plan's bytes do not count. The token embedding
+    is looked up in place, never gathered (measured: docs/planning.md).
+
+    Alive at once: a scanned stack's loop gathers one layer per iteration, so the largest group
+    (a decoder layer, or a tensor outside the stack such as lm_head); an unrolled stack lets XLA
+    schedule every gather early, so all of them (what XLA:CPU did, measured). Training adds the
+    largest group's gradient at its gathered size, alive until its reduce-scatter."""
+    fsdp = plan.mesh.fsdp
+    if fsdp == 1:
+        return None
+    groups: dict[str, int] = {}
+    for t in plan.tensors:
+        if t.tied_to or t.is_buffer or t.role == rules.EMBEDDING or not _uses(t.spec, "fsdp"):
+            continue
+        m = _LAYER.search(t.name)
+        key = f"layer {m.group(1)}" if m else t.name
+        groups[key] = groups.get(key, 0) + t.bytes_per_device * fsdp
+    if not groups:
+        return None
+    largest = max(groups.values())
+    scanned = plan.stack is not None and plan.stack.scanned
+    alive = largest if scanned else sum(groups.values())
+    why = ("scanned: one layer's (or lm_head's) weights gathered over fsdp" if scanned else
+           "unrolled: every fsdp-split weight gathered (XLA may schedule all gathers early)")
+    if train:
+        alive += largest
+        why += " + the largest group's gradient before its reduce-scatter"
+    return Line("gathered weights", alive, why)
+
+
 # --- activations ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -221,6 +263,7 @@ def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
     lines = [Line("parameters", p_bytes, "sum of the plan's bytes per device (exact)"),
              Line("gradients", g_bytes, "1 x trainable params, sharded and typed like them"),
              Line(f"optimizer ({setup.optimizer})", s_bytes, _STATE_FORMULA[setup.optimizer])]
+    lines += [x for x in (gathered_weights(plan, train=True),) if x is not None]
     f = Forecast("train", lines)
     if plan.attention is None:
         f.notes.append(f"{plan.model_class} is not a decoder LM: activations and logits are not "
@@ -260,6 +303,7 @@ def inference_forecast(plan, config, setup: InferenceSetup) -> Forecast:
                   "sum of the plan's bytes per device (exact; quantized tensors as planned)"),
              Line("KV cache", kv.bytes_per_device(plan.mesh),
                   f"2*L*B*kv_heads*max_len*head_dim*bytes, spec {kv.spec} (exact)")]
+    lines += [x for x in (gathered_weights(plan, train=False),) if x is not None]
     shape = LayerShape.from_config(config)
     dtype, e = _act_dtype(plan)
     shards, m = _batch_shards(plan, setup.batch), plan.mesh.model

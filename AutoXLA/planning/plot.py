@@ -10,7 +10,7 @@ or failed save never leaves a half-written picture.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 import textwrap
 from dataclasses import dataclass
 
@@ -107,10 +107,12 @@ def render(bars: list[Bar], title: str, hbm_bytes: int | None = None,
 
 
 def save(fig, path: str) -> None:
-    """Writes ``fig`` to ``path`` atomically: a temporary file beside it, then a rename."""
+    """Writes ``fig`` to ``path`` atomically: a new file beside it (created with the user's umask,
+    as a plain open would), then a rename over the target."""
     fmt = check_path(path)
     parent = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".autoxla-plot-", suffix="." + fmt, dir=parent)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format=fmt, dpi=120)

@@ -1,5 +1,5 @@
 """Training under FSDPv2: the first loss equals the unsharded model's, checkpointing changes
-nothing, and AdamW lowers the loss."""
+nothing, AdamW lowers the loss, and gradients stay sharded like their parameters."""
 import pytest
 import torch
 
@@ -54,8 +54,15 @@ def _train(model, steps, compiles=None):
 def test_training_steps(strategy, checkpoints, reference_models, xla_devices):
     ref = _reference_loss(reference_models)
     compiles = []
-    plain = _train(_load(checkpoints, strategy, gc=False), steps=5, compiles=compiles)
+    model = _load(checkpoints, strategy, gc=False)
+    plain = _train(model, steps=5, compiles=compiles)
     assert abs(plain[0] - ref) <= LOSS_TOL, (plain[0], ref)
+    if strategy == "fsdp":
+        # Gradients live between steps at their parameter's shard size, not whole on every
+        # device (XLA's choice when nothing annotates them; modeling/wrap.py says why 2d is not).
+        grads = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+        specs = [(n, backend.sharding_spec(p.grad), backend.sharding_spec(p)) for n, p in grads]
+        assert grads and all(g == p for _, g, p in specs), specs
     # Step 1 compiles the step, step 2 the step with the optimizer state now on the devices;
     # every later step reuses them.
     assert compiles[0] > 0 and compiles[2:] == [0, 0, 0], compiles

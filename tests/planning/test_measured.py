@@ -9,8 +9,9 @@ from AutoXLA.planning.communication import communication
 from AutoXLA.planning.measure import compare, measure_step
 
 BATCH, SEQ = 8, 16
-# Bytes per step measured vs forecast: the issue's goal. The known difference under fsdp is 5
-# norm weights (256 B each) XLA gathers once and keeps for backward: 0.1 %.
+# Bytes per step measured vs forecast: the issue's goal. Measured 1124.0 against 1156.3 KiB
+# under fsdp (0.97): norm weights gathered once and kept for the backward, lm_head's gradient
+# built from its gathered input (docs/planning.md).
 TOLERANCE = 0.10
 
 
@@ -28,9 +29,32 @@ def test_fsdp_training_step_matches_the_forecast(checkpoints, xla_devices, fsdp_
     forecast = sum(o.payload_bytes for o in fsdp_forecast.ops)
     assert abs(measured - forecast) <= TOLERANCE * forecast, (measured, forecast)
     c = compare(fsdp_forecast, m.collectives)
-    assert c.unexpected == [], c.describe()
-    assert sum(n for _, n in c.missing) <= 5, c.describe()     # the kept norm gathers
+    # With gradients annotated like their parameters, XLA builds lm_head's gradient from its
+    # input gathered over fsdp (f32[128,64], the 128 tokens x hidden) rather than reduce-
+    # scattering a whole f32[256,64] one, and gathers the token ids (s64[128,1]) for the
+    # embedding's gradient: those two, once each, and nothing else.
+    unexpected = sorted((o.kind, o.shape) for o in c.unexpected)
+    assert unexpected == [("all-gather", (BATCH * SEQ, 1)), ("all-gather", (BATCH * SEQ, 64))], \
+        c.describe()
+    # Missing: the 5 norm weights gathered once and kept for the backward, and lm_head's
+    # reduce-scatter replaced as above.
+    assert sum(n for _, n in c.missing) <= 6, c.describe()
     assert m.buffers.argument > 0 and m.buffers.temp > 0
+    # The step's outputs hold the gradients at their parameters' shard size (modeling/wrap.py
+    # annotates them), not whole on every device: without that they were 770.8 KiB, 14.8x the
+    # 52.2 KiB of sharded gradients. What else is live at the end (the loss, OUTPUT_REST) is
+    # under one more gradients' worth.
+    grads = _gradient_bytes(checkpoints["llama"])
+    assert grads <= m.buffers.output <= 2 * grads, (m.buffers.output, grads)
+
+
+def _gradient_bytes(path):
+    from AutoXLA.modeling.empty import load_config
+    from AutoXLA.planning.memory import TrainingSetup, training_forecast
+
+    plan = cli.plan_from_config(path, "fsdp", 8, scan_layers=False)
+    f = training_forecast(plan, load_config(path), TrainingSetup(BATCH, SEQ, "sgd"))
+    return {x.name: x.bytes_per_device for x in f.lines}["gradients"]
 
 
 def test_a_replicated_activation_is_reported(checkpoints, xla_devices, fsdp_forecast, tmp_path):
@@ -41,3 +65,23 @@ def test_a_replicated_activation_is_reported(checkpoints, xla_devices, fsdp_fore
     gathered = [o for o in c.unexpected if o.kind == "all-gather"]
     assert any(o.shape == (BATCH, SEQ, 64) for o in gathered), c.describe()
     assert "f32[8,16,64]" in c.describe()
+
+
+def test_2d_training_step_keeps_the_megatron_layout(checkpoints, xla_devices, tmp_path):
+    # The residual stream whole on the model axis (modeling/wrap.py::activation_spec): no norm
+    # statistics all-reduced over model ([batch per device, seq]) and no [tokens, hidden]
+    # activations gathered before the column-parallel linears, both of which the hidden-split
+    # layout had (17 gathers and 10 all-reduces of them; docs/planning.md). What is left over the
+    # forecast is the attention scores gathered over heads (8 x f32[2,4,16,16], 64 KiB) and the
+    # embedding's gradient reduced at full width: 803.4 against 700.6 KiB, 1.15x; 1.2 holds it.
+    forecast = communication(cli.plan_from_config(checkpoints["llama"], "2d", 8,
+                                                  scan_layers=False), batch=BATCH, seq=SEQ)
+    m = measure_step(checkpoints["llama"], "2d", batch=BATCH, seq=SEQ, train=True,
+                     dump_dir=tmp_path)
+    measured = sum(o.payload_bytes for o in m.collectives)
+    assert measured <= 1.2 * sum(o.payload_bytes for o in forecast.ops), measured
+    c = compare(forecast, m.collectives)
+    tokens = BATCH * SEQ // 4                    # batch split over fsdp = 4
+    norm_stats = [o for o in c.unexpected if o.shape == (BATCH // 4, SEQ)]
+    gathered = [o for o in c.unexpected if o.shape == (tokens, 64) and o.kind == "all-gather"]
+    assert not norm_stats and len(gathered) <= 1, c.describe()     # 1: lm_head's input

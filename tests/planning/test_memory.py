@@ -130,7 +130,8 @@ def test_cli_forecast_against_a_topology_in_json(capsys):
     assert d["mesh"] == {"data": 1, "fsdp": 8, "model": 1}
     assert d["topology"]["chips"] == 8 and d["forecast"]["capacity_bytes_per_device"] > 0
     names = [x["name"] for x in d["forecast"]["lines"]]
-    assert names == ["parameters", "gradients", "optimizer (lion)", "activations", "logits"]
+    assert names == ["parameters", "gradients", "optimizer (lion)", "gathered weights",
+                     "activations", "logits"]
     # Llama 3.1 8B has 8,030,261,248 parameters (its model card), bf16, split 8 ways; plus the
     # two replicated fp32 rotary buffers of 64 entries.
     lines = {x["name"]: x["bytes_per_device"] for x in d["forecast"]["lines"]}
@@ -196,3 +197,30 @@ def test_whole_model_saved_tensors_are_near_activations_plus_logits(family):
     lines = {x.name: x.bytes_per_device
              for x in training_forecast(plan, config, TrainingSetup(2, 16, "sgd")).lines}
     assert 0.85 <= saved / (lines["activations"] + lines["logits"]) <= 1.0
+
+
+def test_gathered_weights_are_the_fsdp_split_weights_of_one_layer_or_of_all():
+    # Reference: the real model's parameter bytes, grouped by decoder layer; under fsdp (model
+    # axis 1) a gathered weight is the whole weight. The embedding is looked up in place.
+    config = tiny_config("llama", num_hidden_layers=3)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    groups = {}
+    for name, p in model.named_parameters():
+        if name.startswith("model.embed_tokens"):
+            continue
+        key = name.split(".")[2] if ".layers." in name else name
+        groups[key] = groups.get(key, 0) + p.numel() * p.element_size()
+    # A norm weight of 64 splits over 8 devices, so the final norm is a group of its own.
+    largest, everything = max(groups.values()), sum(groups.values())
+
+    def gathered(scan, infer):
+        plan = plan_from_config(config, "fsdp", 8, scan_layers=scan)
+        f = inference_forecast(plan, config, InferenceSetup(2, 16)) if infer else \
+            training_forecast(plan, config, TrainingSetup(8, 16, "sgd"))
+        return {x.name: x.bytes_per_device for x in f.lines}["gathered weights"]
+
+    assert gathered(True, True) == largest            # scanned: one group at a time
+    assert gathered(False, True) == everything        # unrolled: all may be alive
+    assert gathered(True, False) == 2 * largest       # + its gradient before reduce-scatter
+    dp = training_forecast(plan_from_config(config, "dp", 8), config, TrainingSetup(8, 16, "sgd"))
+    assert "gathered weights" not in {x.name for x in dp.lines}      # nothing split, no gather
