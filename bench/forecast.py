@@ -15,7 +15,9 @@ and shape, and the buffer assignment's argument / output / temp bytes per device
 plan's weights per device. Last, two choices of the plan measured against their alternative in
 the same run: mp / 2d / 3d with the activation layout AutoXLA used before Megatron's (the
 residual stream split on hidden over model), and fsdp training with gradients left unannotated
-(XLA returned them whole on every device).
+(XLA returned them whole on every device). And the KV cache: `model.generate` run as users run
+it, the stacked K and V found among the decode step's entry parameters by their shard shape,
+against plan.kv_cache.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from AutoXLA import cli  # noqa: E402
 from AutoXLA.planning.communication import communication  # noqa: E402
-from AutoXLA.planning.measure import compare, measure_step  # noqa: E402
+from AutoXLA.planning.measure import compare, measure_generation, measure_step  # noqa: E402
 from AutoXLA.tiny import save_tiny_checkpoint  # noqa: E402
 
 _CLASS = {"all-gather": "gather", "reduce-scatter": "reduce", "all-reduce": "reduce"}
@@ -122,6 +124,26 @@ def main() -> int:
           "activations + logits (decode)")
     _table(("strategy", "step", "weights fc", "arguments", "gradients fc", "outputs",
             "temp fc", "temp", "XLA total"), memory)
+    print("\nKV cache of generate (3 new tokens after a {}-token prompt, scanned stack): the "
+          "decode step's entry parameters of the cache's shard shape against "
+          "plan.kv_cache(batch bucket, cache length), bytes per device".format(args.seq))
+    kv_rows = []
+    for strategy in names:
+        g = measure_generation(path, strategy, batch=args.batch, prompt=args.seq,
+                               dump_dir=os.path.join(root, "dump"))
+        plan = cli.plan_from_config(path, strategy, 8)
+        kv = plan.kv_cache(g.batch, g.length)
+        shard = [kv.layers] + [n // plan.mesh.size(a) if a else n for n, a in
+                               zip((kv.batch, kv.kv_heads, kv.length, kv.head_dim), kv.spec)]
+        want = f"f32[{','.join(map(str, shard))}]"
+        measured = max((sum(n for shape, n in params if shape == want)
+                        for _, params, _ in g.programs), default=0)
+        fc = kv.bytes_per_device(plan.mesh)
+        kv_rows.append((strategy, f"{g.batch} x {g.length}", want, fc, measured,
+                        "exact" if measured == fc else f"{measured / fc:.3f}"))
+        print(f"measured {strategy} generate", file=sys.stderr, flush=True)
+    _table(("strategy", "batch x slots", "K/V shard per device", "forecast B", "measured B",
+            "measured/fc"), kv_rows)
     if args.keep:
         print(f"\nXLA's dumps kept in {root}/dump")
     else:

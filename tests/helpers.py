@@ -126,3 +126,15 @@ def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
     """10 log10(sum ref^2 / sum (ref - out)^2), in float64."""
     ref, out = ref.double(), out.double()
     return float(10 * torch.log10(ref.pow(2).sum() / (ref - out).pow(2).sum()))
+
+
+# The first lines of a script run in a fresh interpreter that must never import torch_xla (the
+# planning commands): any attempt raises, so the test fails naming it.
+REFUSE_TORCH_XLA = r"""
+import sys
+class _NoXLA:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch_xla":
+            raise ImportError("this command must not import torch_xla")
+sys.meta_path.insert(0, _NoXLA())
+"""

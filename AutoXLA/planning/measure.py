@@ -7,7 +7,9 @@ planning/communication.py forecasts.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -118,6 +120,16 @@ def buffer_stats(assignment_text: str) -> BufferStats:
                        total=int(total.group(1)) if total else arg + out + temp)
 
 
+def parameter_buffers(assignment_text: str) -> list[tuple[str, int]]:
+    """The entry parameters of a `*buffer-assignment.txt` dump: (shape per device as XLA prints
+    it, e.g. "f32[8,1,32,16]", bytes), one per allocation that holds a parameter."""
+    out = []
+    for m in re.finditer(r"^allocation \d+: size (\d+), parameter \d+, shape \|([^|]+)\|",
+                         assignment_text, re.M):
+        out.append((m.group(2).split("{")[0], int(m.group(1))))
+    return out
+
+
 # On XLA:CPU a reduce-scatter is emitted as an all-reduce then a slice (the pass that fuses the
 # pair runs only in the TPU/GPU pipelines): both count as a reduction of the same payload.
 _CLASS = {"all-gather": "gather", "reduce-scatter": "reduce", "all-reduce": "reduce",
@@ -200,11 +212,46 @@ def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump
     stream split on hidden over model), ``free_gradients`` leaves gradients unannotated (as
     before modeling/wrap.py gave them their parameters' sharding): both for the bench's
     before/after comparisons."""
-    import glob
-    import os
+    flags = [f for f, on in (("replicate-activations", replicate_activations),
+                             ("hidden-split-activations", hidden_split_activations),
+                             ("free-gradients", free_gradients)) if on]
+    dump_dir, _ = _run_child(path, strategy, batch, seq, "train" if train else "decode", flags,
+                             dump_dir, timeout)
+    # The step is the largest program (loading compiles small ones, if any).
+    module = max(_modules(dump_dir), key=os.path.getsize)
+    with open(module) as f:
+        ops = collectives(f.read())
+    with open(module.replace(".txt", "-buffer-assignment.txt")) as f:
+        stats = buffer_stats(f.read())
+    return Measured(ops, stats, module)
+
+
+@dataclass
+class MeasuredGeneration:
+    batch: int                # the batch bucket generate padded to
+    length: int               # the KV cache's length (slots)
+    programs: list            # (dump file, parameter_buffers, BufferStats), one per program
+
+
+def measure_generation(path, strategy: str, *, batch: int, prompt: int, dump_dir,
+                       timeout: float = 600) -> MeasuredGeneration:
+    """``model.generate`` of 3 tokens after a ``prompt``-token prompt, as users run it (scanned
+    stack, static KV cache) on the 8 CPU devices; every compiled program's entry parameters and
+    buffer sizes, so the KV cache can be found among the decode step's arguments."""
+    dump_dir, out = _run_child(path, strategy, batch, prompt, "generate", [], dump_dir, timeout)
+    sizes = json.loads(out.strip().splitlines()[-1])
+    programs = []
+    for module in sorted(_modules(dump_dir)):
+        with open(module.replace(".txt", "-buffer-assignment.txt")) as f:
+            text = f.read()
+        programs.append((module, parameter_buffers(text), buffer_stats(text)))
+    return MeasuredGeneration(sizes["batch"], sizes["length"], programs)
+
+
+def _run_child(path, strategy, batch, seq, mode, flags, dump_dir, timeout):
+    """Runs this module as a child with XLA's dump on; (its dump folder, its stdout)."""
     import subprocess
     import sys
-
     import tempfile
 
     os.makedirs(dump_dir, exist_ok=True)
@@ -215,29 +262,25 @@ def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "AutoXLA.planning.measure", os.fspath(path), strategy,
-           str(batch), str(seq), "train" if train else "decode"]
-    if replicate_activations:
-        cmd.append("replicate-activations")
-    if hidden_split_activations:
-        cmd.append("hidden-split-activations")
-    if free_gradients:
-        cmd.append("free-gradients")
+           str(batch), str(seq), mode, *flags]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode:
-        raise RuntimeError(f"compiling the {strategy} step failed:\n{r.stderr[-3000:]}")
-    # The step is the largest program (loading compiles small ones, if any).
+        raise RuntimeError(f"compiling the {strategy} {mode} step failed:\n{r.stderr[-3000:]}")
+    return dump_dir, r.stdout
+
+
+def _modules(dump_dir) -> list[str]:
+    import glob
+
     modules = glob.glob(os.path.join(dump_dir, "*cpu_after_optimizations.txt"))
     if not modules:
         raise RuntimeError(f"XLA wrote no optimized module to {dump_dir}")
-    module = max(modules, key=os.path.getsize)
-    with open(module) as f:
-        ops = collectives(f.read())
-    with open(module.replace(".txt", "-buffer-assignment.txt")) as f:
-        stats = buffer_stats(f.read())
-    return Measured(ops, stats, module)
+    return modules
 
 
 def _child(path, strategy, batch, seq, mode, *flags):
+    import json
+
     import torch
 
     from AutoXLA import backend
@@ -258,6 +301,14 @@ def _child(path, strategy, batch, seq, mode, *flags):
             if isinstance(t, torch.Tensor) and t.device.type == "xla":
                 backend.mark_sharding(t, mesh, (None,) * t.dim())
         wrap.shard_output = replicated
+    if mode == "generate":    # the KV cache as generation allocates and passes it, scanned
+        model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=strategy)
+        ids = torch.randint(3, 200, (int(batch), int(seq)),
+                            generator=torch.Generator().manual_seed(0))
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+        s = model.autoxla_last_generate
+        print(json.dumps({"batch": s.batch_bucket, "length": s.cache_length}))
+        return
     # Unrolled: a scanned stack's loop body holds one layer's collectives, run L times.
     model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=strategy,
                                                     scan_layers=False)

@@ -85,3 +85,29 @@ def test_2d_training_step_keeps_the_megatron_layout(checkpoints, xla_devices, tm
     norm_stats = [o for o in c.unexpected if o.shape == (BATCH // 4, SEQ)]
     gathered = [o for o in c.unexpected if o.shape == (tokens, 64) and o.kind == "all-gather"]
     assert not norm_stats and len(gathered) <= 1, c.describe()     # 1: lm_head's input
+
+
+def test_the_kv_cache_generation_passes_is_the_plans(checkpoints, xla_devices, tmp_path):
+    # generate as users run it (scanned stack, static cache), 2d: the cache is split over fsdp
+    # (batch) and model (kv heads). Among the decode step's entry parameters, the stacked K and
+    # V are the plan's shard shape, and together exactly plan.kv_cache's bytes per device.
+    from AutoXLA.planning.measure import measure_generation
+
+    g = measure_generation(checkpoints["llama"], "2d", batch=BATCH, prompt=SEQ,
+                           dump_dir=tmp_path)
+    plan = cli.plan_from_config(checkpoints["llama"], "2d", 8)
+    kv = plan.kv_cache(g.batch, g.length)
+    shard = [kv.layers] + [n // plan.mesh.size(a) if a else n for n, a in
+                           zip((kv.batch, kv.kv_heads, kv.length, kv.head_dim), kv.spec)]
+    want = f"f32[{','.join(map(str, shard))}]"
+    decode = [(params, stats) for _, params, stats in g.programs
+              if any(shape == want for shape, _ in params)]
+    assert decode, [p for _, p, _ in g.programs]
+    params, stats = decode[-1]
+    cache = [n for shape, n in params if shape == want]
+    assert len(cache) == 2 and sum(cache) == kv.bytes_per_device(plan.mesh), (cache, want)
+    # The rest of the step's arguments: the weights as planned, and the loop's host-made inputs,
+    # replicated: the token buffer and the attention mask ([batch, length] int64 each) and a
+    # few scalars and [batch] vectors (under 1 KiB).
+    rest = stats.argument - sum(cache) - plan.bytes_per_device()
+    assert 2 * g.batch * g.length * 8 <= rest <= 2 * g.batch * g.length * 8 + 1024, rest

@@ -12,6 +12,7 @@ from AutoXLA.planning import plot
 from AutoXLA.planning.memory import TrainingSetup, training_forecast
 from AutoXLA.planning.topology import topology
 from AutoXLA.tiny import tiny_config
+from tests.helpers import REFUSE_TORCH_XLA
 
 GiB = 2**30
 
@@ -86,13 +87,7 @@ def test_bad_plot_paths_are_one_error_line_before_planning(checkpoints, tmp_path
 
 # A fresh interpreter that refuses torch_xla: the picture of every ranked mesh of a shipped
 # config on a slice, as a user would ask for it.
-_NO_XLA = r"""
-import sys
-class _NoXLA:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "torch_xla":
-            raise ImportError("autoxla plan --plot must not import torch_xla")
-sys.meta_path.insert(0, _NoXLA())
+_NO_XLA = REFUSE_TORCH_XLA + r"""
 from AutoXLA.cli import main
 sys.exit(main(sys.argv[1:]))
 """

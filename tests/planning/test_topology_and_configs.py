@@ -6,6 +6,7 @@ import pytest
 
 from AutoXLA.planning.model_configs import shipped_config_dir, shipped_ids
 from AutoXLA.planning.topology import PRESETS, topology
+from tests.helpers import REFUSE_TORCH_XLA
 
 
 @pytest.mark.parametrize("name, chips, hosts, hbm_gib", [
@@ -58,13 +59,8 @@ def test_shipped_configs_read_offline():
 # In a fresh interpreter that refuses torch_xla: every shipped config once, the presets in turn,
 # decoder LMs forecast for training or inference; each call timed after one warm-up call (the
 # first pays for importing transformers' model code).
-_TIMED = r"""
-import contextlib, io, sys, time
-class _NoXLA:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "torch_xla":
-            raise ImportError("autoxla plan must not import torch_xla")
-sys.meta_path.insert(0, _NoXLA())
+_TIMED = REFUSE_TORCH_XLA + r"""
+import contextlib, io, time
 from AutoXLA.cli import main
 from AutoXLA.planning.model_configs import shipped_ids
 presets = ["v4-8", "v5e-8", "v5e-16", "v5e-256", "v5p-128", "v6e-8", "v6e-256", "v5p-64"]
