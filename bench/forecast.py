@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--keep", action="store_true", help="keep XLA's dumps (printed where)")
+    ap.add_argument("--kv-only", action="store_true", help="only the KV cache table")
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="autoxla-forecast-")
     path = save_tiny_checkpoint("llama", os.path.join(root, "llama"))
@@ -63,6 +64,8 @@ def main() -> int:
     runs = [(s, "") for s in names]
     runs += [(s, "hidden split") for s in names if s in ("mp", "2d", "3d")]
     runs += [(s, "free gradients") for s in names if s == "fsdp"]
+    if args.kv_only:
+        runs = []
     totals = {}
     for strategy, variant in runs:
         plan = cli.plan_from_config(path, strategy, 8, scan_layers=False)   # as measured
@@ -98,6 +101,17 @@ def main() -> int:
                            f"{b.output / 1024:.1f}", fc["act"], f"{b.temp / 1024:.1f}",
                            f"{b.total / 1024:.1f}"))
             print(f"measured {label} {step}", file=sys.stderr, flush=True)
+    if not args.kv_only:
+        _step_tables(args, rows, totals, reports, memory)
+    _kv_table(args, names, path, root)
+    if args.keep:
+        print(f"\nXLA's dumps kept in {root}/dump")
+    else:
+        shutil.rmtree(root, ignore_errors=True)    # ~50 MB of dumps
+    return 0
+
+
+def _step_tables(args, rows, totals, reports, memory):
     print(f"Collectives per step, tiny llama, batch {args.batch}, seq {args.seq} (decode: 1 token "
           "per sequence); ops / KiB payload per device")
     _table(("strategy", "step", "gather fc", "gather meas", "reduce fc", "reduce meas",
@@ -124,6 +138,9 @@ def main() -> int:
           "activations + logits (decode)")
     _table(("strategy", "step", "weights fc", "arguments", "gradients fc", "outputs",
             "temp fc", "temp", "XLA total"), memory)
+
+
+def _kv_table(args, names, path, root):
     print("\nKV cache of generate (3 new tokens after a {}-token prompt, scanned stack): the "
           "decode step's entry parameters of the cache's shard shape against "
           "plan.kv_cache(batch bucket, cache length), bytes per device".format(args.seq))
@@ -144,11 +161,6 @@ def main() -> int:
         print(f"measured {strategy} generate", file=sys.stderr, flush=True)
     _table(("strategy", "batch x slots", "K/V shard per device", "forecast B", "measured B",
             "measured/fc"), kv_rows)
-    if args.keep:
-        print(f"\nXLA's dumps kept in {root}/dump")
-    else:
-        shutil.rmtree(root, ignore_errors=True)    # ~50 MB of dumps
-    return 0
 
 
 def _memory_forecast(plan, path, batch, seq, train) -> dict:
