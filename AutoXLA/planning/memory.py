@@ -265,6 +265,11 @@ def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
              Line(f"optimizer ({setup.optimizer})", s_bytes, _STATE_FORMULA[setup.optimizer])]
     lines += [x for x in (gathered_weights(plan, train=True),) if x is not None]
     f = Forecast("train", lines)
+    if plan.mesh.model > 1:
+        f.notes.append("gradients are forecast sharded like their parameters; on a mesh with a "
+                       "model axis AutoXLA leaves their layout to XLA, which kept some whole on "
+                       "every device when measured (2d: 8x the sharded bytes on a tiny Llama; "
+                       "docs/planning.md, 'Gradients'): allow for it in the headroom")
     if plan.attention is None:
         f.notes.append(f"{plan.model_class} is not a decoder LM: activations and logits are not "
                        "forecast (only its parameters, gradients and optimizer states)")
