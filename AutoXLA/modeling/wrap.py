@@ -22,57 +22,39 @@ def _mesh_shape(mesh) -> MeshShape:
     return MeshShape(*(sizes.get(a, 1) for a in AXES))
 
 
-def activation_spec(t: torch.Tensor, mesh, vocab: bool = False) -> tuple | None:
-    """Batch on data+fsdp where it divides; the rest whole, but for logits (``vocab``), whose
-    vocabulary stays split on model as lm_head (model, fsdp) produced it.
+def activation_spec(t: torch.Tensor, mesh) -> tuple | None:
+    """(batch on data+fsdp, sequence unsplit, hidden/vocab on model) where they divide.
 
-    This is Megatron's layout: the residual stream is whole on the model axis between a
-    row-parallel linear (whose all-reduce makes it whole) and the next column-parallel one (which
-    reads it whole), so tensor parallelism costs only those all-reduces. Splitting the hidden
-    size on model instead made XLA gather activations before every column-parallel linear and
-    all-reduce every norm's statistics: 1.39x (2d) to 3.6x (mp) the collective bytes of a
-    training step (docs/planning.md, "Forecast vs measured").
+    Not Megatron's layout (the residual stream whole on model), though that measured 1.21x
+    (2d, 3d) to 3.13x (mp) fewer collective bytes per training step: with it, XLA:CPU computed
+    wrong logits for int4 blocks with zero points on a 2d mesh at 256 tokens (SmolLM2
+    perplexity 2290 instead of 34.9; right at 512 tokens and under fsdp and mp). Until that is
+    understood the plan keeps this layout; docs/planning.md has the measurements.
     """
     shape = _mesh_shape(mesh)
     if t.dim() < 2:
         return None
     spec = [rules.batch_axes(shape, t.shape[0])] + [None] * (t.dim() - 1)
-    if vocab and t.dim() == 3 and shape.model > 1 and t.shape[-1] % shape.model == 0:
+    if t.dim() == 3 and shape.model > 1 and t.shape[-1] % shape.model == 0:
         spec[-1] = "model"
-    # On a mesh with a model axis "whole on model" is itself the constraint (mp: measured, left
-    # free XLA split the residual stream and gathered weights, 3.1x the collectives).
-    return tuple(spec) if shape.model > 1 or any(a is not None for a in spec) else None
+    return tuple(spec) if any(a is not None for a in spec) else None
 
 
 def shard_output(output, mesh) -> None:
     """Annotates a model's or a decoder layer's output: a tensor, a tuple, or a ModelOutput."""
     if isinstance(output, torch.Tensor):
-        tensors = [(output, False)]
+        tensors = [output]
     elif isinstance(output, dict):   # transformers' ModelOutput is an OrderedDict
-        tensors = [(v, k == "logits") for k, v in output.items()
-                   if k in ("logits", "last_hidden_state")]
+        tensors = [v for k, v in output.items() if k in ("logits", "last_hidden_state")]
     elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        tensors = [(output[0], False)]
+        tensors = [output[0]]
     else:
         return
-    for t, vocab in tensors:
+    for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == "xla":
-            spec = activation_spec(t, mesh, vocab)
+            spec = activation_spec(t, mesh)
             if spec is not None:
                 backend.mark_sharding(t, mesh, spec)
-
-
-def _shard_embedding_output(model: nn.Module, mesh) -> None:
-    """The token embedding's lookup enters the residual stream: whole on model from the start
-    (the table is (fsdp, model), so the lookup comes out split on hidden)."""
-    if _mesh_shape(mesh).model == 1:
-        return
-    try:
-        embedding = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):   # vision models have no token embedding
-        return
-    if isinstance(embedding, nn.Module):
-        embedding.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
 
 
 def _shard_gradients_like_parameters(model: nn.Module, mesh) -> None:
@@ -81,12 +63,11 @@ def _shard_gradients_like_parameters(model: nn.Module, mesh) -> None:
     Nothing else constrains a ``.grad``, and under fsdp XLA returned every gradient whole on every
     device, with or without FSDPv2: tiny Llama on 8 devices, 770.8 KiB of step outputs per
     device against 52.2 KiB of sharded gradients (96.6 annotated), and the step's collectives
-    fell from 1155 to 1124 KiB. Not on meshes with a model axis: there the annotation made XLA
-    gather activations to build each gradient in its final layout (2d: 803 -> 981 KiB per step)
-    and add collective-permutes, on which XLA:CPU's 8-device runtime deadlocked in a 2d training
-    step (a rendezvous timeout, the process aborted). So 2d/3d gradients stay as XLA makes them:
-    partly replicated (2d: 418.8 KiB of outputs against 52.3 sharded). Measured by
-    bench/forecast.py ("free gradients" rows); docs/planning.md.
+    fell from 1155 to 1124 KiB. Not on meshes with a model axis yet: with Megatron's layout
+    the annotation added collective-permutes on which XLA:CPU's 8-device runtime deadlocked in a
+    2d training step (a rendezvous timeout that aborts the process), and under mp it cost
+    collectives (806 -> 904 KiB). So 2d/3d/mp gradients stay as XLA makes them, partly
+    replicated (2d: 385.6 KiB of outputs against 52.3 sharded). docs/planning.md, "Gradients".
     """
     if _mesh_shape(mesh).fsdp == 1 or _mesh_shape(mesh).model > 1:
         return
@@ -121,7 +102,6 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
     model.autoxla_plan = plan
     model.autoxla_mesh = mesh
     saving.attach(model)
-    _shard_embedding_output(model, mesh)
     _shard_gradients_like_parameters(model, mesh)
     if not opts.use_fsdp_wrap:
         if stack is None:      # a scanned stack checkpoints and shards each layer itself

@@ -201,19 +201,19 @@ class Measured:
 
 
 def measure_step(path, strategy: str, *, batch: int, seq: int, train: bool, dump_dir,
-                 replicate_activations: bool = False, hidden_split_activations: bool = False,
+                 replicate_activations: bool = False, megatron_activations: bool = False,
                  free_gradients: bool = False,
                  timeout: float = 600) -> Measured:
     """Compile one training step (forward + backward, no optimizer) or one decode-shaped forward
     (``seq`` tokens, no cache) of the checkpoint at ``path`` on the 8 CPU devices; the collectives
     and buffer sizes of the partitioned program. ``replicate_activations`` injects a sharding
     mistake (every decoder layer's output forced replicated) for tests of the report;
-    ``hidden_split_activations`` compiles the layout AutoXLA used before Megatron's (the residual
-    stream split on hidden over model), ``free_gradients`` leaves gradients unannotated (as
-    before modeling/wrap.py gave them their parameters' sharding): both for the bench's
-    before/after comparisons."""
+    ``megatron_activations`` compiles Megatron's layout instead of the plan's (the residual
+    stream whole on model, logits split by vocabulary), ``free_gradients`` leaves gradients
+    unannotated (as before modeling/wrap.py gave them their parameters' sharding): both
+    experiments for the bench's side-by-side comparisons."""
     flags = [f for f, on in (("replicate-activations", replicate_activations),
-                             ("hidden-split-activations", hidden_split_activations),
+                             ("megatron-activations", megatron_activations),
                              ("free-gradients", free_gradients)) if on]
     dump_dir, _ = _run_child(path, strategy, batch, seq, "train" if train else "decode", flags,
                              dump_dir, timeout)
@@ -287,12 +287,24 @@ def _child(path, strategy, batch, seq, mode, *flags):
     from AutoXLA.modeling import AutoXLAModelForCausalLM, wrap
 
     dev = backend.device()
-    if "hidden-split-activations" in flags:
-        # The layout before Megatron's: every 3-d activation's last dim split on model where it
-        # divides, the embedding's lookup left as the (fsdp, model) table produces it.
-        spec = wrap.activation_spec
-        wrap.activation_spec = lambda t, mesh, vocab=False: spec(t, mesh, t.dim() == 3)
-        wrap._shard_embedding_output = lambda model, mesh: None
+    if "megatron-activations" in flags:
+        # An experiment, not the plan (modeling/wrap.py says why): the residual stream whole on
+        # model (layer outputs and the embedding's lookup batch-split only), logits by vocabulary.
+        def megatron(t, mesh, vocab=False):
+            s = wrap.activation_spec(t, mesh)
+            s = s if s is not None else (None,) * t.dim()
+            return tuple(a if (a != "model" or vocab) else None for a in s)
+
+        def shard(out, mesh):
+            if isinstance(out, dict):
+                items = [(v, k == "logits") for k, v in out.items()
+                         if k in ("logits", "last_hidden_state")]
+            else:
+                items = [(out[0] if isinstance(out, (tuple, list)) else out, False)]
+            for t, vocab in items:
+                if isinstance(t, torch.Tensor) and t.device.type == "xla":
+                    backend.mark_sharding(t, mesh, megatron(t, mesh, vocab))
+        wrap.shard_output = shard
     if "free-gradients" in flags:
         wrap._shard_gradients_like_parameters = lambda model, mesh: None
     if "replicate-activations" in flags:
@@ -313,6 +325,10 @@ def _child(path, strategy, batch, seq, mode, *flags):
     model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=strategy,
                                                     scan_layers=False)
     backend.sync()
+    if "megatron-activations" in flags:
+        mesh = model.autoxla_mesh
+        model.get_input_embeddings().register_forward_hook(
+            lambda _m, _i, out: wrap.shard_output(out, mesh))
     ids = torch.randint(3, 200, (int(batch), int(seq)), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     if mode == "train":

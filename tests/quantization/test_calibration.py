@@ -205,8 +205,14 @@ def test_emulated_perplexity_is_the_real_models(cfg, float_model, tokens):
     report = model.autoxla_quantization.calibration
     with torch.no_grad():
         real = math.exp(float(token_nll(model, calib).double().mean()))
+    # Measured: within 1e-5 for all three on AVX-512 hosts; on an AVX2-only host (2026-12-02,
+    # already at 37ec2f0) plain and float-offset stay within 1e-5 but the search differs by
+    # 1.3e-4, though the C engine's searched weights are the same bits on every ISA (checked:
+    # scalar, AVX2, 1 and 2 threads): the difference is in XLA:CPU's float arithmetic of the
+    # W8A8 path on that target, not found. 2e-4 holds it; a wrong emulated format (unsearched,
+    # or another block) moves the ratio by >= 1e-3 (int8: 1.0013 vs 1.0038 searched).
     assert real / report.float_perplexity - 1 == pytest.approx(
-        report.quantized_perplexity / report.float_perplexity - 1, abs=1e-5)
+        report.quantized_perplexity / report.float_perplexity - 1, abs=2e-4)
     assert report.importance("model.layers.0.self_attn.q_proj") is not None
 
 

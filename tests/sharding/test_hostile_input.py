@@ -132,7 +132,9 @@ def test_a_bug_is_one_line_too(capsys, monkeypatch, checkpoints):
     def broken(*a, **k):
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(cli, "meta_model", broken)   # what `autoxla plan` builds with
+    from AutoXLA import plan_cli
+
+    monkeypatch.setattr(plan_cli, "meta_model", broken)   # what `autoxla plan` builds with
     rc, _, err = _run(capsys, "plan", checkpoints["llama"])
     assert rc == 1 and err.count("\n") == 1
     assert "internal error: ZeroDivisionError: boom" in err and "AUTOXLA_TRACEBACK=1" in err
