@@ -14,8 +14,8 @@ then a slice). Goal: measured within 10 % of the forecast, or the difference exp
 and shape, and the buffer assignment's argument / output / temp bytes per device beside the
 plan's weights per device. Last, two choices of the plan measured against their alternative in
 the same run: mp / 2d / 3d in Megatron's activation layout (the residual stream whole on model;
-not the plan's, for a miscompile it triggered, docs/planning.md), and fsdp training with gradients left unannotated
-(XLA returned them whole on every device). And the KV cache: `model.generate` run as users run
+not the plan's, for a miscompile it triggered, docs/planning.md), and fsdp training with
+gradients left unannotated (XLA returned them whole on every device). And the KV cache: `model.generate` run as users run
 it, the stacked K and V found among the decode step's entry parameters by their shard shape,
 against plan.kv_cache.
 """
@@ -150,9 +150,7 @@ def _kv_table(args, names, path, root):
                                dump_dir=os.path.join(root, "dump"))
         plan = cli.plan_from_config(path, strategy, 8)
         kv = plan.kv_cache(g.batch, g.length)
-        shard = [kv.layers] + [n // plan.mesh.size(a) if a else n for n, a in
-                               zip((kv.batch, kv.kv_heads, kv.length, kv.head_dim), kv.spec)]
-        want = f"f32[{','.join(map(str, shard))}]"
+        want = f"f32[{','.join(map(str, (kv.layers, *kv.shard_shape(plan.mesh))))}]"
         measured = max((sum(n for shape, n in params if shape == want)
                         for _, params, _ in g.programs), default=0)
         fc = kv.bytes_per_device(plan.mesh)

@@ -40,9 +40,12 @@ class KVCachePlan:
         """K and V of all layers, whole."""
         return 2 * self.layers * math.prod(self.shape) * self._element_size()
 
+    def shard_shape(self, mesh: MeshShape) -> tuple[int, int, int, int]:
+        """One layer's K (or V) on one device."""
+        return tuple(s // mesh.size(a) for s, a in zip(self.shape, self.spec))
+
     def bytes_per_device(self, mesh: MeshShape) -> int:
-        shard = [s // mesh.size(a) for s, a in zip(self.shape, self.spec)]
-        return 2 * self.layers * math.prod(shard) * self._element_size()
+        return 2 * self.layers * math.prod(self.shard_shape(mesh)) * self._element_size()
 
     def describe(self, mesh: MeshShape) -> str:
         line = (f"KV cache at batch {self.batch}, length {self.length}: {self.layers} layers x K,V "

@@ -77,9 +77,7 @@ def test_the_kv_cache_generation_passes_is_the_plans(checkpoints, xla_devices, t
                            dump_dir=tmp_path)
     plan = cli.plan_from_config(checkpoints["llama"], "2d", 8)
     kv = plan.kv_cache(g.batch, g.length)
-    shard = [kv.layers] + [n // plan.mesh.size(a) if a else n for n, a in
-                           zip((kv.batch, kv.kv_heads, kv.length, kv.head_dim), kv.spec)]
-    want = f"f32[{','.join(map(str, shard))}]"
+    want = f"f32[{','.join(map(str, (kv.layers, *kv.shard_shape(plan.mesh))))}]"   # stacked
     decode = [(params, stats) for _, params, stats in g.programs
               if any(shape == want for shape, _ in params)]
     assert decode, [p for _, p, _ in g.programs]
