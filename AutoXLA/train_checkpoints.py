@@ -1,0 +1,469 @@
+"""Training checkpoints: model and optimizer state saved sharded, one directory per step, each step
+committed atomically, restorable onto the same or another mesh, exportable as safetensors.
+
+The shards are written and read by torch.distributed.checkpoint (DCP) with torch_xla's SPMD
+planners: every process writes the shards its devices hold (one copy of each replicated shard in
+all), and a restore reads, for every tensor of the model as it is now sharded, the pieces its
+devices need, whatever mesh saved them. AutoXLA adds what DCP leaves to the caller:
+
+* **One step, one commit.** A step is written into ``step-00000004.partial/``; only when DCP has
+  finished does process 0 write ``autoxla-train.json`` (the manifest: step, names, shapes, the
+  optimizer's settings, the model's config) into it and rename the directory to
+  ``step-00000004/``. A rename is atomic, so a save killed at any point leaves the previous steps
+  as they were and at most a ``.partial`` directory, which ``steps()`` ignores and the next save
+  removes. Re-saving a step that exists moves the old one aside (``.replaced``) until the new one
+  is in place; ``steps()`` puts it back if a kill came in between.
+* **Names, not positions.** Optimizer state is stored under its parameter's name, so it follows
+  the parameter to another mesh, another optimizer instance, or a model built again.
+* **Export.** ``export_safetensors`` writes the model of a step as a normal checkpoint directory
+  (config.json + safetensors, per-layer names even for a scanned stack) with save_pretrained's
+  journaled, atomic writer, one group of tensors in memory at a time.
+
+On several processes, ``torch.distributed`` must be initialised (``gloo``, docs/multihost.md); the
+directory must be shared storage all hosts see. On one process nothing needs initialising.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MANIFEST = "autoxla-train.json"
+FORMAT = 1
+_STEP = re.compile(r"^step-(\d{8})$")
+_PARTIAL = re.compile(r"^step-(\d{8})\.partial$")
+_REPLACED = re.compile(r"^step-(\d{8})\.replaced$")
+
+
+class TrainingCheckpointError(ValueError):
+    """A training checkpoint that cannot be saved or restored as asked; the message says why."""
+
+
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class TrainingCheckpoints:
+    """Training checkpoints under ``directory``: ``save(step, model, optimizer)`` after a step,
+    ``restore(model, optimizer)`` to go on from the latest one (or ``step=``), ``keep`` the newest
+    steps only (None: all)."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int | None = None):
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise TrainingCheckpointError(f"{self.directory} is a file; training checkpoints need "
+                                          "a directory: pass another path")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise TrainingCheckpointError(f"keep={keep!r}: keep at least 1 step, or None for all")
+        self.keep = keep
+
+    # -- what is there ---------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """The committed steps, ascending (a step whose save was killed is not one)."""
+        if not self.directory.is_dir():
+            return []
+        self._settle_replaced()
+        found = []
+        for entry in os.listdir(self.directory):
+            m = _STEP.match(entry)
+            if m and (self.directory / entry / MANIFEST).is_file():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> Path:
+        return self.directory / _step_name(step)
+
+    # -- save ------------------------------------------------------------------------------------
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+             ) -> Path:
+        """Writes model (and optimizer) state as ``step``; returns the step's directory once it is
+        committed. Call it after the optimizer step, on every process."""
+        import torch.distributed.checkpoint as dcp
+
+        from . import backend
+
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TrainingCheckpointError(f"step={step!r}: pass the training step as an int >= 0")
+        model = _unwrap(model)
+        params = _named_state(model)
+        state = {"model": params}
+        manifest = {"format": FORMAT, "step": step, "model": _describe(params),
+                    "stacked": _stacked_names(model), **_model_files(model)}
+        if optimizer is not None:
+            state["optimizer"], manifest["optimizer"] = _optimizer_state(model, optimizer)
+        if any(_on_xla(t) for t in _leaves(state)):
+            backend.sync()
+            backend.wait_for_transfers()
+        leader = _rank() == 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        partial = self.directory / (_step_name(step) + ".partial")
+        if leader:
+            self._remove_partials()
+        _barrier()
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)),
+                     planner=_planner("save", state))
+        _barrier()
+        if leader:
+            self._commit(partial, step, manifest)
+        _barrier()
+        return self.path(step)
+
+    def _commit(self, partial: Path, step: int, manifest: dict) -> None:
+        _write_json(partial / MANIFEST, manifest)
+        _fsync_dir(partial)
+        final = self.path(step)
+        aside = self.directory / (_step_name(step) + ".replaced")
+        if final.exists():
+            os.rename(final, aside)
+        os.rename(partial, final)             # the commit point
+        _fsync_dir(self.directory)
+        if aside.exists():
+            shutil.rmtree(aside)
+        if self.keep is not None:
+            for old in self.steps()[:-self.keep]:
+                shutil.rmtree(self.path(old))
+
+    def _remove_partials(self) -> None:
+        """What killed saves left: ``.partial`` directories (never committed)."""
+        for entry in os.listdir(self.directory):
+            if _PARTIAL.match(entry) and (self.directory / entry).is_dir():
+                shutil.rmtree(self.directory / entry)
+
+    def _settle_replaced(self) -> None:
+        """A re-save killed between moving the old step aside and renaming the new one in: the
+        old one is put back; one killed after: the old one is removed."""
+        for entry in os.listdir(self.directory):
+            m = _REPLACED.match(entry)
+            if not m:
+                continue
+            final = self.path(int(m.group(1)))
+            if final.exists():
+                shutil.rmtree(self.directory / entry)
+            else:
+                os.rename(self.directory / entry, final)
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                step: int | None = None) -> int:
+        """Loads ``step`` (default: the latest) into ``model`` (and ``optimizer``) in place, each
+        tensor resharded onto the model's mesh as it is now; returns the step. The model must be
+        the one that was saved, loaded the same way (same names and shapes, any mesh)."""
+        import torch.distributed.checkpoint as dcp
+
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                raise TrainingCheckpointError(f"no committed training checkpoint in "
+                                              f"{self.directory}; save one first")
+            step = steps[-1]
+        elif step not in steps:
+            raise TrainingCheckpointError(f"step {step} is not a committed checkpoint in "
+                                          f"{self.directory} (committed: {steps or 'none'})")
+        path = self.path(step)
+        manifest = json.loads((path / MANIFEST).read_text())
+        model = _unwrap(model)
+        params = _named_state(model)
+        _check_same(manifest["model"], _describe(params), path)
+        state = {"model": params}
+        if optimizer is not None:
+            saved = manifest.get("optimizer")
+            if saved is None:
+                raise TrainingCheckpointError(f"{path} holds no optimizer state (saved without "
+                                              "one); restore the model only, optimizer=None")
+            state["optimizer"] = _optimizer_templates(model, saved)
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)),
+                     planner=_planner("load", state))
+        if optimizer is not None:
+            _load_optimizer(model, optimizer, manifest["optimizer"], state["optimizer"])
+        return step
+
+    # -- export ----------------------------------------------------------------------------------
+    def export_safetensors(self, out_dir: str | os.PathLike, step: int | None = None,
+                           max_shard_size: int | str = "5GB") -> Path:
+        """The model of ``step`` (default: the latest) as a checkpoint directory from_pretrained
+        and transformers load: config.json, safetensors (per-layer names), index. Written with
+        save_pretrained's journaled writer: a failure leaves ``out_dir`` as it was."""
+        import torch.distributed.checkpoint as dcp
+
+        from . import saving
+
+        step = self.latest() if step is None else step
+        if step is None or step not in self.steps():
+            raise TrainingCheckpointError(f"no committed step {step} in {self.directory}")
+        path = self.path(step)
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest.get("config") is None:
+            raise TrainingCheckpointError(f"{path} was saved from a model without a transformers "
+                                          "config, so it cannot be exported as a checkpoint")
+        described = manifest["model"]
+        names = _export_names(described, manifest["stacked"])
+        sizes = {n: _nbytes(*_export_spec(n, described, names)) for n in names}
+        groups = saving.shard_groups(sizes, saving._parse_size(max_shard_size))
+        target = Path(out_dir)
+        target.mkdir(parents=True, exist_ok=True)
+
+        def write_shards(paths, groups):
+            from .loading.safetensors_out import ShardWriter
+
+            for file, group in zip(paths, groups):
+                specs = {n: _export_spec(n, described, names) for n in group}
+                sources = sorted({names[n][0] for n in group})
+                held = {s: torch.empty(described[s]["shape"], dtype=_dtype(described[s]["dtype"]))
+                        for s in sources}
+                with _quiet_single_process():
+                    dcp.load({"model": held}, storage_reader=dcp.FileSystemReader(str(path)))
+                writer = ShardWriter(specs, [group], [file])
+                try:
+                    for n in group:
+                        source, layer = names[n]
+                        writer.write(n, held[source] if layer is None else held[source][layer])
+                finally:
+                    writer.close()
+                del held
+
+        saving.write_checkpoint(target, groups, write_shards, manifest["config"],
+                                manifest.get("generation_config"))
+        return target
+
+
+# -- state ---------------------------------------------------------------------------------------
+def _unwrap(model: nn.Module) -> nn.Module:
+    from .saving import unwrap
+
+    return unwrap(model)
+
+
+def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by the model's own names (FSDPv2's wrapper names
+    dropped), each storage once: the names a model loaded the same way has on any mesh."""
+    from .saving import _FSDP_WRAPPED
+    from .sharding.plan import persistent_buffer_names
+
+    persistent = persistent_buffer_names(model)
+    named = list(model.named_parameters())
+    named += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    return {n.replace(_FSDP_WRAPPED, ""): t for n, t in named if t is not None}
+
+
+def _describe(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    return {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for n, t in tensors.items()}
+
+
+def _check_same(saved: dict, now: dict, path: Path) -> None:
+    missing = sorted(set(saved) - set(now))
+    extra = sorted(set(now) - set(saved))
+    changed = sorted(n for n in set(saved) & set(now) if saved[n] != now[n])
+    if missing or extra or changed:
+        what = "; ".join(part for part in (
+            f"the checkpoint has {missing[:3]} the model lacks" if missing else "",
+            f"the model has {extra[:3]} the checkpoint lacks" if extra else "",
+            f"{changed[0]} is {saved[changed[0]]} in the checkpoint but {now[changed[0]]} in the "
+            "model" if changed else "") if part)
+        raise TrainingCheckpointError(
+            f"{path} was saved from a different model: {what}. Restore into the model loaded the "
+            "same way (same checkpoint, quantization and scan_layers; the mesh may differ)")
+
+
+def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
+    """A scanned stack's ``[layers, ...]`` tensor -> the per-layer names transformers uses."""
+    from .modeling.scan import StackedDecoderLayers
+    from .saving import _FSDP_WRAPPED
+
+    out = {}
+    for prefix, m in model.named_modules():
+        if not isinstance(m, StackedDecoderLayers):
+            continue
+        prefix = (prefix + ".").replace(_FSDP_WRAPPED, "").rstrip(".")
+        for name in m.stacked_tensors():
+            out[f"{prefix}.stacked.{name}"] = [f"{prefix}.{i}.{name}" for i in range(len(m))]
+    return out
+
+
+def _model_files(model: nn.Module) -> dict:
+    from .saving import _config_json, generation_json
+
+    if getattr(model, "config", None) is None:      # a plain nn.Module: nothing to export with
+        return {"config": None, "generation_config": None}
+    return {"config": _config_json(model), "generation_config": generation_json(model)}
+
+
+def _optimizer_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """(parameter name -> its state tensors, the manifest's optimizer entry: class, settings per
+    group by parameter name, and what each state tensor is)."""
+    names = _param_names(model)
+    sd = optimizer.state_dict()
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    state, described, scalars = {}, {}, {}
+    for index, entry in sd["state"].items():
+        name = names.get(id(order[index]))
+        if name is None:
+            raise TrainingCheckpointError(
+                "the optimizer holds a parameter that is not the model's; pass the optimizer "
+                "built over model.parameters()")
+        state[name] = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        described[name] = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
+                               "xla": _on_xla(v)} for k, v in state[name].items()}
+        scalars[name] = {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
+    groups = []
+    for g, saved in zip(optimizer.param_groups, sd["param_groups"]):
+        settings = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({"settings": settings, "params": [names.get(id(p)) for p in g["params"]]})
+    return state, {"class": type(optimizer).__name__, "groups": groups, "state": described,
+                   "scalars": scalars}
+
+
+def _optimizer_templates(model: nn.Module, saved: dict) -> dict:
+    """Tensors DCP loads the optimizer state into: XLA ones sharded like their parameter."""
+    from . import backend
+
+    from .saving import _FSDP_WRAPPED
+
+    params = {n.replace(_FSDP_WRAPPED, ""): p for n, p in model.named_parameters()}
+    out = {}
+    for name, entries in saved["state"].items():
+        if name not in params:
+            raise TrainingCheckpointError(f"the optimizer state names parameter {name!r}, which "
+                                          "the model does not have: restore into the same model")
+        p = params[name]
+        out[name] = {}
+        for key, d in entries.items():
+            dtype = _dtype(d["dtype"])
+            if d["xla"] and list(p.shape) == d["shape"]:
+                t = torch.zeros_like(p, dtype=dtype)
+                backend.shard_like(t, p)
+            elif d["xla"]:
+                t = torch.zeros(d["shape"], dtype=dtype, device=p.device)
+            else:
+                t = torch.zeros(d["shape"], dtype=dtype)
+            out[name][key] = t
+    if any(_on_xla(t) for t in _leaves(out)):
+        backend.sync()
+    return out
+
+
+def _load_optimizer(model: nn.Module, optimizer, saved: dict, loaded: dict) -> None:
+    names = _param_names(model)
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    index = {names.get(id(p)): i for i, p in enumerate(order)}
+    if saved["class"] != type(optimizer).__name__:
+        raise TrainingCheckpointError(f"the checkpoint's optimizer state is {saved['class']}'s, "
+                                      f"not {type(optimizer).__name__}'s: build the same optimizer")
+    if len(saved["groups"]) != len(optimizer.param_groups):
+        raise TrainingCheckpointError(f"the checkpoint has {len(saved['groups'])} parameter "
+                                      f"group(s), the optimizer {len(optimizer.param_groups)}")
+    groups = []
+    for g, s in zip(optimizer.param_groups, saved["groups"]):
+        if [names.get(id(p)) for p in g["params"]] != s["params"]:
+            raise TrainingCheckpointError("the optimizer's parameter groups hold other parameters "
+                                          "than the checkpoint's; build it the same way")
+        groups.append({**s["settings"], "params": [index[n] for n in s["params"]]})
+    state = {index[n]: {**loaded[n], **saved["scalars"].get(n, {})} for n in loaded}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    from .saving import _FSDP_WRAPPED
+
+    return {id(p): n.replace(_FSDP_WRAPPED, "") for n, p in model.named_parameters()}
+
+
+# -- export --------------------------------------------------------------------------------------
+def _export_names(described: dict, stacked: dict) -> dict[str, tuple[str, int | None]]:
+    """Exported name -> (checkpoint tensor, layer index into it or None), in checkpoint order."""
+    out = {}
+    for name in described:
+        if name in stacked:
+            out.update({per: (name, i) for i, per in enumerate(stacked[name])})
+        else:
+            out[name] = (name, None)
+    return out
+
+
+def _export_spec(name: str, described: dict, names: dict) -> tuple[tuple[int, ...], torch.dtype]:
+    source, layer = names[name]
+    shape = described[source]["shape"]
+    return tuple(shape[1:] if layer is not None else shape), _dtype(described[source]["dtype"])
+
+
+def _nbytes(shape, dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+# -- plumbing ------------------------------------------------------------------------------------
+def _leaves(state):
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from _leaves(v)
+    elif isinstance(state, torch.Tensor):
+        yield state
+
+
+def _on_xla(t: torch.Tensor) -> bool:
+    return t.device.type == "xla"
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns at every save and load that torch.distributed is not initialised; on one process
+    that is the intended setup (module docstring), not news."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _planner(kind: str, state: dict):
+    """torch_xla's SPMD planners for XLA tensors (each process writes and reads its own shards);
+    DCP's defaults for a state on the CPU, which needs no torch_xla."""
+    if not any(_on_xla(t) for t in _leaves(state)):
+        return None
+    import torch_xla.experimental.distributed_checkpoint as xc
+
+    return xc.SPMDSavePlanner() if kind == "save" else xc.SPMDLoadPlanner()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
