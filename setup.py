@@ -11,6 +11,9 @@ core = Extension(
     "AutoXLA._axl_core",
     sources=sorted(glob.glob("csrc/src/*.c")),
     include_dirs=["csrc/include"],
+    # Headers too: a changed header (an ABI bump) must rebuild every object, not only the .c
+    # files that changed.
+    depends=sorted(glob.glob("csrc/include/*.h") + glob.glob("csrc/src/*.h")),
     # -ffp-contract=off: no mul+add fused into an FMA, so the quantization kernels give the
     # same bits on every ISA as their scalar reference (csrc/src/quant_ref.c).
     extra_compile_args=[

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import importlib.machinery
+import itertools
 import math
 import operator
 import os
@@ -33,6 +34,7 @@ __all__ = [
     "SafetensorsTensor",
     "available_isas",
     "best_isa",
+    "block_ranges",
     "convert",
     "cpu_features",
     "dequantize",
@@ -40,12 +42,13 @@ __all__ = [
     "parse_safetensors_header",
     "quantize",
     "quantized_shape",
+    "read_blocks",
     "read_shards",
     "scatter_shards",
 ]
 
 # Must equal AXL_ABI_VERSION in csrc/include/autoxla.h.
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # axl_dtype values (autoxla.h) of the dtypes axl_convert takes.
 _CONVERT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -198,6 +201,19 @@ def _load() -> ctypes.CDLL:
         ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
     ]
     lib.axl_read_shards_scratch_bytes.restype = ctypes.c_int64
+    lib.axl_read_blocks.argtypes = [
+        ctypes.c_char_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+    ]
+    lib.axl_read_blocks.restype = ctypes.c_int
+    lib.axl_block_ranges.argtypes = [
+        ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
+        ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_ubyte), ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+    ]
+    lib.axl_block_ranges.restype = ctypes.c_int64
     lib.axl_quantize.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
@@ -791,6 +807,204 @@ def read_shards(
         f"{dtype} (isa={isa!r}, nthreads={threads})",
     )
     return blocks
+
+
+# Most entries `wanted` may list, duplicates included: a block is listed once in practice,
+# and a list this long takes a fraction of a second; the bound stops an endless iterator
+# (itertools.cycle) from hanging the call.
+_MAX_WANTED_ENTRIES = 4 * _MAX_BLOCKS
+
+
+def _check_wanted(wanted: object, nblocks: int) -> list[int]:
+    """The block indices listed in `wanted` (an iterable of ints in [0, nblocks)), sorted,
+    duplicates merged."""
+    if isinstance(wanted, (str, bytes)) or not hasattr(wanted, "__iter__"):
+        raise TypeError(
+            f"wanted must be an iterable of block indices (ints), got {type(wanted).__name__}"
+        )
+    out = set()
+    for i, k in enumerate(itertools.islice(iter(wanted), _MAX_WANTED_ENTRIES + 1)):
+        if i == _MAX_WANTED_ENTRIES:
+            raise ValueError(
+                f"wanted lists more than {_MAX_WANTED_ENTRIES} block indices; list each wanted "
+                f"block once (there are {nblocks} blocks)"
+            )
+        if isinstance(k, bool) or not hasattr(type(k), "__index__"):
+            raise TypeError(f"wanted[{i}] must be an int block index, got {type(k).__name__}")
+        try:
+            k = operator.index(k)  # numpy integers and integer 0-d tensors too
+        except TypeError:
+            raise TypeError(
+                f"wanted[{i}] must be an int block index, got {type(k).__name__} ({k!r})"
+            ) from None
+        if not 0 <= k < nblocks:
+            raise ValueError(
+                f"wanted[{i}] = {k} is not a block index: the grid has {nblocks} blocks, "
+                f"numbered 0 .. {nblocks - 1} in row-major grid order"
+            )
+        out.add(k)
+    return sorted(out)
+
+
+def _check_tensor_file(path: object, offset: object, src_dtype: torch.dtype,
+                       shape: tuple[int, ...], fn: str) -> tuple[str, int]:
+    """read_blocks' file checks, read_shards' rules: the path as str and the tensor's end."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path_str = os.fspath(path)
+    if not isinstance(path_str, str):
+        raise TypeError(f"path must name a file as str, got {type(path_str).__name__}")
+    if "\0" in path_str:
+        raise ValueError(f"path {path_str!r} contains a NUL character")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if offset < 0:
+        raise ValueError(f"offset={offset} is negative; pass the tensor's byte offset in the file")
+    numel = math.prod(shape)
+    end = offset + numel * torch.empty((), dtype=src_dtype).element_size()
+    if numel > _INT64_MAX // 4 or end > _INT64_MAX:
+        raise ValueError(
+            f"the tensor of shape {shape} ({src_dtype}) at offset {offset} is too large: it "
+            f"would end at byte {end}; check the shape and offset"
+        )
+    try:
+        st = os.stat(path_str)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path_str}: no such file; it should hold a tensor of shape {shape} "
+            f"({src_dtype}) at bytes [{offset}, {end})"
+        ) from None
+    # As in read_shards: regular files only (the C core checks its descriptor again).
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(
+            f"{path_str} is {file_kind(st.st_mode)}, not a regular file; {fn} reads "
+            f"tensors from files only: pass the checkpoint file's path"
+        )
+    # The whole tensor, though only some blocks are read: a shorter file is truncated.
+    if st.st_size < end:
+        raise ValueError(
+            f"{path_str} is {st.st_size} bytes, but the tensor of shape {shape} ({src_dtype}) "
+            f"occupies bytes [{offset}, {end}): the file looks truncated; download or save "
+            f"it again"
+        )
+    return path_str, end
+
+
+def read_blocks(
+    path: str | os.PathLike,
+    offset: int,
+    src_dtype: torch.dtype,
+    shape: tuple[int, ...],
+    grid: tuple[int, ...],
+    dtype: torch.dtype,
+    wanted,
+    *,
+    gap_bytes: int = 0,
+    nthreads: int = 0,
+    isa: str = "auto",
+) -> tuple[dict[int, torch.Tensor], int]:
+    """Like read_shards, for only the blocks listed in `wanted`, reading only the bytes of
+    the file that hold them (a host of a multi-host slice needs a few blocks per tensor).
+
+    wanted: an iterable of block indices, ints in [0, prod(grid)) in read_shards' order
+    (row-major over the grid); duplicates are merged, none is fine. Returns ({k: block k}
+    for each wanted k in increasing order, the bytes read). Each block equals read_shards'
+    block k bit for bit. The bytes read are exactly block_ranges(src_dtype, shape, grid,
+    wanted, gap_bytes=gap_bytes), relative to offset: with gap_bytes=0 only the wanted
+    blocks' bytes; a larger gap_bytes merges ranges at most that far apart into one read
+    (fewer, longer preads; the gap is read and dropped): a block that splits the last dim
+    is a short range per row, which a gap_bytes as large as the rest of the row joins.
+    The file must still hold the whole tensor (else ValueError, as in read_shards).
+    Scratch, threads and errors as in read_shards; with nothing wanted the C core opens
+    no file and reads 0 bytes.
+    """
+    _check_dtype("src_dtype", src_dtype, _SHARD_DTYPES)
+    shape = _check_ints("shape", shape, 0)
+    grid = _check_grid(shape, grid)
+    _check_shard_dtypes("src_dtype", src_dtype, dtype)
+    ks = _check_wanted(wanted, math.prod(grid))
+    gap_bytes = _check_int("gap_bytes", gap_bytes, 0)
+    threads = _check_nthreads(nthreads)
+    isa_code = _check_isa(isa)
+    path_str, end = _check_tensor_file(path, offset, src_dtype, shape, "read_blocks")
+    lib = _get_lib()  # before allocating: a missing library should fail first
+
+    ndim = len(shape)
+    c_shape, c_grid = _int64_array(shape), _int64_array(grid)
+    threads = threads or lib.axl_num_cpus()
+    # read_shards' scratch: autoxla.h promises it is enough for any subset of the blocks.
+    scratch_bytes = lib.axl_read_shards_scratch_bytes(
+        _SHARD_DTYPES[src_dtype], ndim, c_shape, threads
+    )
+    if scratch_bytes < 0:
+        _check_status(-scratch_bytes, f"read_blocks scratch size for {shape} ({src_dtype})")
+    scratch = torch.empty(scratch_bytes if ks else 0, dtype=torch.uint8)
+    block = _block_shape(shape, grid)
+    blocks = {k: torch.empty(block, dtype=dtype) for k in ks}
+    ptrs = (ctypes.c_void_p * math.prod(grid))()  # NULL: not wanted
+    for k, b in blocks.items():
+        ptrs[k] = b.data_ptr()
+    bytes_read = ctypes.c_int64(0)
+    # The scratch, blocks and arrays stay referenced by this frame until the call returns.
+    status = lib.axl_read_blocks(
+        os.fsencode(path_str), offset, _SHARD_DTYPES[src_dtype], ndim, c_shape, c_grid, ptrs,
+        _SHARD_DTYPES[dtype], gap_bytes, scratch.data_ptr() if ks else None, scratch_bytes,
+        threads, isa_code, ctypes.byref(bytes_read),
+    )
+    _check_status(
+        status,
+        f"read_blocks {path_str} bytes [{offset}, {end}) {src_dtype} {shape} grid {grid} "
+        f"blocks {_short_list(ks)} -> {dtype} (gap_bytes={gap_bytes}, isa={isa!r}, "
+        f"nthreads={threads})",
+    )
+    return blocks, bytes_read.value
+
+
+def _short_list(values: list[int], most: int = 8) -> str:
+    """values for a message: at most `most` of them."""
+    if len(values) <= most:
+        return str(values)
+    return f"[{', '.join(map(str, values[:most]))}, ... ({len(values)} in all)]"
+
+
+def block_ranges(
+    src_dtype: torch.dtype,
+    shape: tuple[int, ...],
+    grid: tuple[int, ...],
+    wanted,
+    *,
+    gap_bytes: int = 0,
+) -> list[tuple[int, int]]:
+    """The byte ranges read_blocks reads for these arguments, computed by the same C code:
+    [(begin, end), ...] relative to the tensor's first byte (add the file offset), sorted,
+    disjoint and more than gap_bytes apart. With gap_bytes=0 they cover exactly the wanted
+    blocks' bytes: len(wanted) x the block's elements x src_dtype's size in all.
+    """
+    _check_dtype("src_dtype", src_dtype, _SHARD_DTYPES)
+    shape = _check_ints("shape", shape, 0)
+    grid = _check_grid(shape, grid)
+    nblocks = math.prod(grid)
+    ks = _check_wanted(wanted, nblocks)
+    gap_bytes = _check_int("gap_bytes", gap_bytes, 0)
+    if math.prod(shape) > _INT64_MAX // 4:
+        raise ValueError(f"the tensor of shape {shape} is too large; check the shape")
+    lib = _get_lib()
+
+    c_shape, c_grid = _int64_array(shape), _int64_array(grid)
+    flags = (ctypes.c_ubyte * nblocks)()
+    for k in ks:
+        flags[k] = 1
+    what = f"block_ranges {src_dtype} {shape} grid {grid} blocks {_short_list(ks)}"
+    code = _SHARD_DTYPES[src_dtype]
+    count = lib.axl_block_ranges(code, len(shape), c_shape, c_grid, flags, gap_bytes, None, 0)
+    if count < 0:
+        _check_status(-count, what)
+    ranges = (ctypes.c_int64 * (2 * count))()
+    got = lib.axl_block_ranges(code, len(shape), c_shape, c_grid, flags, gap_bytes, ranges,
+                               count)
+    if got != count:  # same arguments, same walk: cannot happen
+        raise NativeError(0, f"{what}: {got} ranges on the second call, {count} on the first")
+    return [(ranges[2 * i], ranges[2 * i + 1]) for i in range(count)]
 
 
 # ---- quantization ------------------------------------------------------------------------

@@ -21,12 +21,12 @@ extern "C" {
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
  * _native.py refuses a library whose axl_abi_version() differs from its own. */
-#define AXL_ABI_VERSION 7
+#define AXL_ABI_VERSION 8
 
 /* Threads a single call may use; larger requests are clamped to this. */
 #define AXL_MAX_THREADS 256
 
-/* Most dimensions a tensor passed to axl_scatter_shards / axl_read_shards may have. */
+/* Most dimensions a tensor passed to the shard slicing functions below may have. */
 #define AXL_MAX_NDIM 8
 
 /* Status codes. Values are part of the ABI: append, never renumber. */
@@ -48,7 +48,7 @@ typedef enum axl_status {
     AXL_STATUS_COUNT             /* number of codes above; not a status */
 } axl_status;
 
-/* Element types. I8/U8 are quantized data: axl_scatter_shards / axl_read_shards copy them
+/* Element types. I8/U8 are quantized data: the shard slicing functions copy them
  * (same dtype in and out); axl_convert does not take them. */
 typedef enum axl_dtype {
     AXL_F32 = 0,
@@ -132,7 +132,7 @@ AXL_API int axl_convert(const void *src, int src_dtype, void *dst, int dst_dtype
  * I8 and U8 (quantized data) are taken only with src_dtype == dst_dtype: a plain copy into
  * the grid. Any other pair with I8 or U8: AXL_ERR_BAD_DTYPE.
  *
- * Argument rules shared by both functions:
+ * Argument rules shared by axl_scatter_shards, axl_read_shards and axl_read_blocks:
  *   ndim outside 1..AXL_MAX_NDIM, shape[d] < 0, grid[d] < 1, grid[d] not dividing
  *   shape[d], or more than PTRDIFF_MAX/4 elements: AXL_ERR_BAD_SIZE. shape and grid are
  *   never NULL. A tensor with 0 elements is valid and nothing is done: then src, dsts,
@@ -142,8 +142,8 @@ AXL_API int axl_convert(const void *src, int src_dtype, void *dst, int dst_dtype
  *   nthreads and isa as for axl_convert; a tensor with few elements stays on the calling
  *   thread. If a worker thread cannot be created the call returns AXL_ERR_RESOURCE and
  *   the blocks are partly written. The overlap check allocates prod(grid) + 1 entries
- *   when there are more than 63 blocks (the only allocation, before any work); if that
- *   fails: AXL_ERR_RESOURCE. */
+ *   when there are more than 63 blocks (axl_read_blocks: more than 63 wanted ones; the
+ *   only allocation, before any work); if that fails: AXL_ERR_RESOURCE. */
 
 /* Blocks of the in-memory tensor src. Threads split the elements of src evenly,
  * whatever the shape and grid. */
@@ -183,6 +183,59 @@ AXL_API int axl_read_shards(const char *path, int64_t offset, int src_dtype, int
  * (dtype, ndim, shape, nthreads; a NULL shape) gives the negated axl_status instead. */
 AXL_API int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int64_t *shape,
                                               int nthreads);
+
+/* Some blocks of the tensor in the file, as axl_read_shards reads all of them, reading only
+ * the bytes that hold them: for a host of a multi-host slice, which needs a few blocks of
+ * each tensor. dsts[k] == NULL means block k is not wanted: it is not written, and its
+ * bytes are read only inside a bridged gap (below). Everything else is as for
+ * axl_read_shards: the arguments, checks and statuses (overlap only among the non-NULL
+ * blocks and scratch; scratch's size rule below), the file's opening and refusals, and
+ * the conversion.
+ *
+ * What is read: the bytes of the wanted blocks' elements, as the maximal ranges of
+ * consecutive such bytes in file order, with any two ranges at most gap_bytes apart
+ * merged into one (gap_bytes >= 0, else AXL_ERR_BAD_SIZE), the gap read and dropped: 0
+ * reads exactly the wanted bytes; a larger gap trades bytes for fewer, longer preads.
+ * These are exactly the ranges axl_block_ranges gives for the same arguments. Let R be
+ * their total bytes. Each range is read with pread in chunks of at most C bytes, handed
+ * to T threads in file order, each reading into its own C bytes of scratch and converting
+ * its chunk's wanted elements into their blocks (a chunk may end inside a run):
+ *   T = min(T of axl_read_shards for this shape and nthreads, max(1, R / 1 MiB))
+ *   C = scratch_bytes / T, rounded down to whole src elements, at most ceil(R / T) bytes
+ *       rounded up to whole src elements
+ * scratch must hold one element per thread: scratch_bytes / T >= size of src_dtype, else
+ * AXL_ERR_BAD_SIZE. T is at most axl_read_shards' T, so axl_read_shards_scratch_bytes
+ * (which holds T rows) is always enough.
+ *
+ * With no block wanted (all dsts[k] NULL) or a tensor with 0 elements nothing is read:
+ * AXL_OK, the file is not opened and path and scratch may be NULL; dsts itself must not
+ * be NULL when the tensor has elements. A file that ends before the end of a range read:
+ * AXL_ERR_IO, and the wanted blocks are partly written; a file that ends inside the bytes
+ * of unwanted blocks only is fine. *bytes_read (when bytes_read is not NULL) is set on
+ * every return: the bytes read, which is R on AXL_OK; after a failure the bytes of the
+ * chunks read in full (0 when the arguments are refused). The walk that finds the
+ * ranges allocates nothing and runs twice (R first); a part of the grid whose blocks are
+ * all wanted or all unwanted costs a look at their pointers, never a step per run. The
+ * threads take chunks under one lock. */
+AXL_API int axl_read_blocks(const char *path, int64_t offset, int src_dtype, int ndim,
+                            const int64_t *shape, const int64_t *grid, void *const *dsts,
+                            int dst_dtype, int64_t gap_bytes, void *scratch,
+                            int64_t scratch_bytes, int nthreads, int isa, int64_t *bytes_read);
+
+/* The byte ranges axl_read_blocks reads, for the same src_dtype (any axl_dtype), ndim,
+ * shape, grid and gap_bytes, with wanted[k] != 0 for the wanted blocks (prod(grid) flags,
+ * for dsts[k] != NULL): ranges[2i] and ranges[2i+1] are the begin and end (exclusive) of
+ * range i in bytes from the start of the tensor (add the file offset), sorted, disjoint,
+ * and more than gap_bytes apart. Returns the number of ranges, of which the first
+ * min(count, capacity) are written; call with capacity 0 (ranges may then be NULL) to
+ * size the array. 0 for a tensor with 0 elements (wanted may then be NULL) or no wanted
+ * block. Bad arguments give the negated axl_status: src_dtype no axl_dtype
+ * (AXL_ERR_BAD_DTYPE); ndim, shape, grid as above, gap_bytes < 0 or capacity < 0
+ * (AXL_ERR_BAD_SIZE); a NULL shape, grid or wanted, or a
+ * NULL ranges with capacity > 0 (AXL_ERR_NULL_POINTER). */
+AXL_API int64_t axl_block_ranges(int src_dtype, int ndim, const int64_t *shape,
+                                 const int64_t *grid, const unsigned char *wanted,
+                                 int64_t gap_bytes, int64_t *ranges, int64_t capacity);
 
 /* ---- quantization ----------------------------------------------------------------------
  * A weight w is a dense row-major (rows, cols) matrix of F32, BF16 or F16, read in place

@@ -1,9 +1,11 @@
-/* shards.c - axl_scatter_shards and axl_read_shards: cut a tensor into its grid of blocks
- * and convert its dtype in one pass, from memory or straight from a file. */
+/* shards.c - axl_scatter_shards, axl_read_shards and axl_read_blocks: cut a tensor into its
+ * grid of blocks and convert its dtype in one pass, from memory or straight from a file
+ * (all of it, or only the bytes of some blocks). */
 #define _POSIX_C_SOURCE 200809L /* pread, O_CLOEXEC */
 #define _FILE_OFFSET_BITS 64    /* a 64-bit off_t on 32-bit builds too */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,11 +109,14 @@ static void scatter_elements(const shard_plan *p, const char *src, int64_t begin
             at += in[d] * p->stride[d];
         }
         int64_t n = p->run - o < end - begin ? p->run - o : end - begin;
-        char *dst = (char *)p->dsts[k] + (size_t)at * p->ds;
-        if (p->fn)
-            p->fn(src, dst, n);
-        else
-            memcpy(dst, src, (size_t)n * p->ss);
+        char *block = p->dsts[k];
+        if (block) { /* NULL: a block axl_read_blocks does not want, read only as a gap */
+            char *dst = block + (size_t)at * p->ds;
+            if (p->fn)
+                p->fn(src, dst, n);
+            else
+                memcpy(dst, src, (size_t)n * p->ss);
+        }
         src += (size_t)n * p->ss;
         begin += n;
         o = 0;
@@ -183,10 +188,11 @@ static int check_common(int ndim, const int64_t *shape, const int64_t *grid, int
     return axl_resolve_isa(*isa, isa);
 }
 
-/* Every block non-NULL and aligned to the destination element size. */
-static int check_blocks(void *const *dsts, int64_t nblocks, size_t ds) {
+/* Every block non-NULL (unless null_ok: axl_read_blocks) and aligned to the destination
+ * element size. */
+static int check_blocks(void *const *dsts, int64_t nblocks, size_t ds, int null_ok) {
     if (!dsts) return AXL_ERR_NULL_POINTER;
-    for (int64_t k = 0; k < nblocks; k++)
+    for (int64_t k = 0; k < nblocks && !null_ok; k++)
         if (!dsts[k]) return AXL_ERR_NULL_POINTER;
     for (int64_t k = 0; k < nblocks; k++)
         if ((uintptr_t)dsts[k] % ds) return AXL_ERR_MISALIGNED;
@@ -202,20 +208,22 @@ static int span_order(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* AXL_ERR_OVERLAP if any two of [other, other + other_bytes) and the nblocks blocks of
- * block_bytes each share a byte: sorted by start, each must end before the next starts. */
+/* AXL_ERR_OVERLAP if any two of [other, other + other_bytes) and the non-NULL ones of the
+ * nblocks blocks of block_bytes each share a byte: sorted by start, each must end before
+ * the next starts. */
 static int check_overlap(const void *other, size_t other_bytes, void *const *dsts,
                          int64_t nblocks, size_t block_bytes) {
     span local[STACK_SPANS], *spans = local;
-    size_t n = (size_t)nblocks + 1; /* nblocks <= MAX_ELEMENTS: no overflow */
+    size_t n = 1; /* nblocks <= MAX_ELEMENTS: no overflow */
+    for (int64_t k = 0; k < nblocks; k++) n += dsts[k] != NULL;
     if (n > STACK_SPANS) {
         if (n > SIZE_MAX / sizeof *spans) return AXL_ERR_RESOURCE;
         spans = malloc(n * sizeof *spans);
         if (!spans) return AXL_ERR_RESOURCE;
     }
     spans[0] = (span){(uintptr_t)other, (uintptr_t)other + other_bytes};
-    for (int64_t k = 0; k < nblocks; k++)
-        spans[k + 1] = (span){(uintptr_t)dsts[k], (uintptr_t)dsts[k] + block_bytes};
+    for (int64_t k = 0, i = 1; k < nblocks; k++)
+        if (dsts[k]) spans[i++] = (span){(uintptr_t)dsts[k], (uintptr_t)dsts[k] + block_bytes};
     qsort(spans, n, sizeof *spans, span_order);
     int status = AXL_OK;
     for (size_t i = 1; i < n && status == AXL_OK; i++)
@@ -246,7 +254,7 @@ int axl_scatter_shards(const void *src, int src_dtype, int ndim, const int64_t *
     if (numel == 0) return AXL_OK; /* empty tensors may carry NULL data pointers */
     size_t ss = axl_dtype_size(src_dtype), ds = axl_dtype_size(dst_dtype);
     if (!src) return AXL_ERR_NULL_POINTER;
-    status = check_blocks(dsts, nblocks, ds);
+    status = check_blocks(dsts, nblocks, ds, 0);
     if (status != AXL_OK) return status;
     if ((uintptr_t)src % ss) return AXL_ERR_MISALIGNED;
     status = check_overlap(src, (size_t)numel * ss, dsts, nblocks,
@@ -348,7 +356,7 @@ int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
     int threads = read_threads(nthreads, rows, row_bytes);
     if (scratch_bytes / threads < row_bytes) return AXL_ERR_BAD_SIZE;
     if (!path || !scratch) return AXL_ERR_NULL_POINTER;
-    status = check_blocks(dsts, nblocks, ds);
+    status = check_blocks(dsts, nblocks, ds, 0);
     if (status != AXL_OK) return status;
     if ((uintptr_t)scratch % ss) return AXL_ERR_MISALIGNED;
     status = check_overlap(scratch, (size_t)scratch_bytes, dsts, nblocks,
@@ -418,4 +426,292 @@ int64_t axl_read_shards_scratch_bytes(int src_dtype, int ndim, const int64_t *sh
     if (chunk_rows > rows / threads) chunk_rows = rows / threads;
     if (chunk_rows < 1) chunk_rows = 1;
     return threads * chunk_rows * row_bytes;
+}
+
+/* ---- the bytes of some blocks: axl_block_ranges and axl_read_blocks ----------------------
+ * A walk over the plan's merged dims in file order. At dim d, grid cell kd (blocks with
+ * that index on d) covers block[d] consecutive slabs of dim d, `slab[d]` elements each;
+ * if no block under the cell is wanted the cell is skipped whole, if all are it is one
+ * range, and otherwise each of its slabs is walked on the next dim. A cell of the last
+ * dim holds one block, so the walk never goes deeper. Cells with no or all blocks wanted
+ * cost their flags only, never their runs. */
+
+enum { NONE_WANTED, ALL_WANTED, SOME_WANTED };
+
+typedef struct walk_level {
+    int64_t base;   /* element of the slab walked on this dim */
+    int64_t prefix; /* its block coordinates on the dims before, row-major over their grid */
+    int64_t kd;     /* the cell of this dim being walked */
+    int64_t j;      /* the cell's slab being walked on the next dim; -1: cell not looked at */
+} walk_level;
+
+typedef struct range_walk {
+    int m;
+    int64_t grid[AXL_MAX_NDIM];
+    int64_t block[AXL_MAX_NDIM]; /* block size per merged dim */
+    int64_t slab[AXL_MAX_NDIM];  /* elements per index of each merged dim */
+    int64_t under[AXL_MAX_NDIM]; /* blocks under one cell of each merged dim */
+    const unsigned char *flags;  /* block k is wanted if flags[k] != 0 ... */
+    void *const *dsts;           /* ... or, without flags, if dsts[k] != NULL */
+    int64_t gap;                 /* coalescing: largest gap bridged, in elements */
+    int depth;                   /* dim being walked, -1 when done */
+    walk_level at[AXL_MAX_NDIM];
+    int pending;                 /* a range found past the last coalesced one */
+    int64_t pending_begin, pending_end;
+} range_walk;
+
+/* flags or dsts (one of them NULL) say which blocks of the plan's tensor are wanted;
+ * ranges of them closer than gap_bytes >= 0 merge. The walk holds no pointer into itself:
+ * a copy walks again from the same place. */
+static void walk_init(range_walk *w, const shard_plan *p, const unsigned char *flags,
+                      void *const *dsts, int64_t gap_bytes) {
+    int m = p->m;
+    w->m = m;
+    for (int d = 0; d < m; d++) {
+        w->grid[d] = p->grid[d];
+        w->block[d] = p->size[d] / p->grid[d];
+    }
+    w->slab[m - 1] = 1;
+    w->under[m - 1] = 1;
+    for (int d = m - 2; d >= 0; d--) {
+        w->slab[d] = w->slab[d + 1] * p->size[d + 1];
+        w->under[d] = w->under[d + 1] * p->grid[d + 1];
+    }
+    w->flags = flags;
+    w->dsts = dsts;
+    w->gap = gap_bytes / (int64_t)p->ss; /* gaps are whole elements: the same test */
+    w->depth = 0;
+    w->at[0] = (walk_level){0, 0, 0, -1};
+    w->pending = 0;
+}
+
+static int is_wanted(const range_walk *w, int64_t k) {
+    return w->flags ? w->flags[k] != 0 : w->dsts[k] != NULL;
+}
+
+/* Whether none, all or some of the n blocks from k0 on are wanted. */
+static int classify(const range_walk *w, int64_t k0, int64_t n) {
+    int first = is_wanted(w, k0);
+    for (int64_t k = k0 + 1; k < k0 + n; k++)
+        if (is_wanted(w, k) != first) return SOME_WANTED;
+    return first ? ALL_WANTED : NONE_WANTED;
+}
+
+/* The next range [*begin, *end) of elements of wanted blocks in file order, uncoalesced
+ * (ranges may touch): 1, or 0 when none is left. */
+static int walk_next(range_walk *w, int64_t *begin, int64_t *end) {
+    while (w->depth >= 0) {
+        int d = w->depth;
+        walk_level *l = &w->at[d];
+        if (l->kd == w->grid[d]) { /* slab done: on to the parent cell's next slab */
+            if (--w->depth >= 0) {
+                walk_level *up = &w->at[w->depth];
+                if (++up->j == w->block[w->depth]) {
+                    up->kd++;
+                    up->j = -1;
+                }
+            }
+            continue;
+        }
+        int64_t cell = l->prefix * w->grid[d] + l->kd;
+        int64_t first = l->base + l->kd * w->block[d] * w->slab[d];
+        if (l->j < 0) {
+            int c = classify(w, cell * w->under[d], w->under[d]);
+            if (c != SOME_WANTED) {
+                l->kd++;
+                if (c == NONE_WANTED) continue;
+                *begin = first;
+                *end = first + w->block[d] * w->slab[d];
+                return 1;
+            }
+            l->j = 0;
+        }
+        /* Some wanted, so d < m - 1 (under[m-1] == 1): the cell's slab j, one dim down. */
+        w->at[d + 1] = (walk_level){first + l->j * w->slab[d], cell, 0, -1};
+        w->depth = d + 1;
+    }
+    return 0;
+}
+
+/* The next coalesced range in elements: 1, or 0 when none is left. Ranges come sorted,
+ * disjoint, and more than the gap apart. */
+static int walk_next_coalesced(range_walk *w, int64_t *begin, int64_t *end) {
+    int64_t b, e, nb, ne;
+    if (w->pending) {
+        b = w->pending_begin;
+        e = w->pending_end;
+        w->pending = 0;
+    } else if (!walk_next(w, &b, &e)) {
+        return 0;
+    }
+    while (walk_next(w, &nb, &ne)) {
+        if (nb - e <= w->gap) {
+            e = ne;
+            continue;
+        }
+        w->pending = 1;
+        w->pending_begin = nb;
+        w->pending_end = ne;
+        break;
+    }
+    *begin = b;
+    *end = e;
+    return 1;
+}
+
+int64_t axl_block_ranges(int src_dtype, int ndim, const int64_t *shape, const int64_t *grid,
+                         const unsigned char *wanted, int64_t gap_bytes, int64_t *ranges,
+                         int64_t capacity) {
+    size_t ss = axl_dtype_size(src_dtype);
+    if (ss == 0) return -AXL_ERR_BAD_DTYPE;
+    int64_t numel = 0, nblocks = 0;
+    int status = check_shape(ndim, shape, &numel);
+    if (status == AXL_OK) status = check_grid(ndim, shape, grid, &nblocks);
+    if (status != AXL_OK) return -status;
+    if (gap_bytes < 0 || capacity < 0) return -AXL_ERR_BAD_SIZE;
+    if (numel == 0) return 0;
+    if (!wanted || (!ranges && capacity > 0)) return -AXL_ERR_NULL_POINTER;
+
+    shard_plan plan; /* the geometry only: equal dtypes pick no kernel */
+    make_plan(&plan, ndim, shape, grid, AXL_ISA_SCALAR, src_dtype, src_dtype, NULL);
+    range_walk walk;
+    walk_init(&walk, &plan, wanted, NULL, gap_bytes);
+    int64_t count = 0, b, e;
+    for (; walk_next_coalesced(&walk, &b, &e); count++) {
+        if (count >= capacity) continue;
+        ranges[2 * count] = b * (int64_t)ss;
+        ranges[2 * count + 1] = e * (int64_t)ss;
+    }
+    return count;
+}
+
+typedef struct blocks_job {
+    const shard_plan *plan;
+    int fd;
+    int64_t offset;      /* of the tensor in the file */
+    int64_t chunk_elems; /* most elements per read; a worker's scratch slot holds this many */
+    char *scratch;
+    pthread_mutex_t lock; /* guards walk, at and end */
+    range_walk walk;
+    int64_t at, end;      /* the current range's elements not handed out yet */
+    atomic_int next_slot;
+    atomic_int status;    /* the first failure; the others stop at their next chunk */
+    atomic_int_fast64_t bytes_read;
+} blocks_job;
+
+/* The next chunk [*begin, *end) in file order: at most chunk_elems of the current range,
+ * the next range once it is used up. 1, or 0 when none is left. */
+static int next_chunk(blocks_job *job, int64_t *begin, int64_t *end) {
+    pthread_mutex_lock(&job->lock);
+    int got = job->at < job->end || walk_next_coalesced(&job->walk, &job->at, &job->end);
+    if (got) {
+        *begin = job->at;
+        *end = job->end - job->at < job->chunk_elems ? job->end : job->at + job->chunk_elems;
+        job->at = *end;
+    }
+    pthread_mutex_unlock(&job->lock);
+    return got;
+}
+
+/* One worker (see WORKER_SPAN): reads chunks into its own slot of scratch and converts
+ * their wanted runs into the blocks (scatter_elements skips the others'). */
+static void blocks_worker(void *arg, int64_t begin, int64_t end) {
+    blocks_job *job = arg;
+    size_t ss = job->plan->ss;
+    (void)begin;
+    (void)end;
+    int slot = atomic_fetch_add(&job->next_slot, 1); /* < T: at most T workers run */
+    char *buf = job->scratch + (size_t)slot * (size_t)job->chunk_elems * ss;
+    int64_t b, e;
+    while (atomic_load(&job->status) == AXL_OK && next_chunk(job, &b, &e)) {
+        int status = pread_full(job->fd, buf, (size_t)(e - b) * ss, job->offset + b * (int64_t)ss);
+        if (status != AXL_OK) {
+            int ok = AXL_OK;
+            atomic_compare_exchange_strong(&job->status, &ok, status);
+            return;
+        }
+        atomic_fetch_add(&job->bytes_read, (e - b) * (int64_t)ss);
+        scatter_elements(job->plan, buf, b, e);
+    }
+}
+
+int axl_read_blocks(const char *path, int64_t offset, int src_dtype, int ndim,
+                    const int64_t *shape, const int64_t *grid, void *const *dsts, int dst_dtype,
+                    int64_t gap_bytes, void *scratch, int64_t scratch_bytes, int nthreads,
+                    int isa, int64_t *bytes_read) {
+    if (bytes_read) *bytes_read = 0;
+    int64_t numel = 0, nblocks = 0;
+    int status = check_common(ndim, shape, grid, src_dtype, dst_dtype, nthreads, &isa, &numel,
+                              &nblocks);
+    if (status != AXL_OK) return status;
+    size_t ss = axl_dtype_size(src_dtype), ds = axl_dtype_size(dst_dtype);
+    int64_t bytes = numel * (int64_t)ss; /* numel <= MAX_ELEMENTS: no overflow */
+    if (offset < 0 || offset > INT64_MAX - bytes || scratch_bytes < 0 || gap_bytes < 0)
+        return AXL_ERR_BAD_SIZE;
+    if (numel == 0) return AXL_OK; /* nothing to read: the file is not opened */
+    status = check_blocks(dsts, nblocks, ds, 1);
+    if (status != AXL_OK) return status;
+
+    shard_plan plan;
+    make_plan(&plan, ndim, shape, grid, isa, src_dtype, dst_dtype, dsts);
+    range_walk walk;
+    walk_init(&walk, &plan, NULL, dsts, gap_bytes);
+    int64_t total = 0, b, e; /* R of autoxla.h, in elements; a first walk on a copy */
+    for (range_walk count = walk; walk_next_coalesced(&count, &b, &e);) total += e - b;
+    if (total == 0) return AXL_OK; /* no block wanted: the file is not opened */
+
+    /* T: read_shards' threads, but no more than one per 1 MiB to read. */
+    int64_t rows, row_bytes;
+    row_geometry(numel, shape, ss, &rows, &row_bytes);
+    int threads = read_threads(nthreads, rows, row_bytes);
+    int64_t by_size = total * (int64_t)ss / MIN_READ_BYTES_PER_THREAD;
+    if (by_size < threads) threads = by_size < 1 ? 1 : (int)by_size;
+    if (scratch_bytes / threads < (int64_t)ss) return AXL_ERR_BAD_SIZE;
+    if (!path || !scratch) return AXL_ERR_NULL_POINTER;
+    if ((uintptr_t)scratch % ss) return AXL_ERR_MISALIGNED;
+    status = check_overlap(scratch, (size_t)scratch_bytes, dsts, nblocks,
+                           (size_t)(numel / nblocks) * ds);
+    if (status != AXL_OK) return status;
+
+    /* A worker's slot: its share of scratch, but no more than its share of the bytes to
+     * read, so that every worker gets a chunk. Chunks may end mid-run. */
+    int64_t chunk_elems = scratch_bytes / threads / (int64_t)ss;
+    int64_t share = (total + threads - 1) / threads;
+    if (chunk_elems > share) chunk_elems = share;
+
+    blocks_job job = {
+        .plan = &plan,
+        .offset = offset,
+        .chunk_elems = chunk_elems,
+        .scratch = scratch,
+        .walk = walk,
+    };
+    atomic_init(&job.next_slot, 0);
+    atomic_init(&job.status, AXL_OK);
+    atomic_init(&job.bytes_read, 0);
+    if (pthread_mutex_init(&job.lock, NULL) != 0) return AXL_ERR_RESOURCE;
+
+    /* Opened as in axl_read_shards (O_NONBLOCK; FIFOs, sockets, directories refused). */
+    int fd;
+    do {
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    } while (fd < 0 && errno == EINTR);
+    struct stat st;
+    if (fd >= 0 && (fstat(fd, &st) != 0 || S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
+                    S_ISDIR(st.st_mode))) {
+        close(fd);
+        fd = -1;
+    }
+    if (fd < 0) {
+        pthread_mutex_destroy(&job.lock);
+        return AXL_ERR_IO;
+    }
+    job.fd = fd;
+    status = axl_parallel_for((int64_t)threads * WORKER_SPAN, threads, WORKER_SPAN,
+                              blocks_worker, &job);
+    if (status == AXL_OK) status = atomic_load(&job.status);
+    close(fd);
+    pthread_mutex_destroy(&job.lock);
+    if (bytes_read) *bytes_read = atomic_load(&job.bytes_read);
+    return status;
 }
