@@ -735,54 +735,13 @@ def read_shards(
     FileNotFoundError for a missing file and ValueError for one too short to hold the
     tensor (a truncated download?); NativeError if reading fails anyway.
     """
-    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    path_str = os.fspath(path)
-    if not isinstance(path_str, str):
-        raise TypeError(f"path must name a file as str, got {type(path_str).__name__}")
-    if "\0" in path_str:
-        raise ValueError(f"path {path_str!r} contains a NUL character")
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    if offset < 0:
-        raise ValueError(f"offset={offset} is negative; pass the tensor's byte offset in the file")
     _check_dtype("src_dtype", src_dtype, _SHARD_DTYPES)
     shape = _check_ints("shape", shape, 0)
     grid = _check_grid(shape, grid)
     _check_shard_dtypes("src_dtype", src_dtype, dtype)
     threads = _check_nthreads(nthreads)
     isa_code = _check_isa(isa)
-
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=src_dtype).element_size()
-    end = offset + nbytes
-    if numel > _INT64_MAX // 4 or end > _INT64_MAX:
-        raise ValueError(
-            f"the tensor of shape {shape} ({src_dtype}) at offset {offset} is too large: it "
-            f"would end at byte {end}; check the shape and offset"
-        )
-    try:
-        st = os.stat(path_str)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{path_str}: no such file; it should hold a tensor of shape {shape} "
-            f"({src_dtype}) at bytes [{offset}, {end})"
-        ) from None
-    # Only a regular file: opening a FIFO blocks until a writer comes (forever), a device
-    # may never end. The C core checks again on the descriptor it opens (O_NONBLOCK, fstat),
-    # so a file swapped for a FIFO after this stat cannot hang the call either.
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(
-            f"{path_str} is {file_kind(st.st_mode)}, not a regular file; read_shards reads "
-            f"tensors from files only: pass the checkpoint file's path"
-        )
-    file_size = st.st_size
-    if file_size < end:
-        raise ValueError(
-            f"{path_str} is {file_size} bytes, but the tensor of shape {shape} ({src_dtype}) "
-            f"occupies bytes [{offset}, {end}): the file looks truncated; download or save "
-            f"it again"
-        )
+    path_str, end = _check_tensor_file(path, offset, src_dtype, shape, "read_shards")
     lib = _get_lib()  # before allocating: a missing library should fail first
 
     ndim = len(shape)
@@ -848,7 +807,11 @@ def _check_wanted(wanted: object, nblocks: int) -> list[int]:
 
 def _check_tensor_file(path: object, offset: object, src_dtype: torch.dtype,
                        shape: tuple[int, ...], fn: str) -> tuple[str, int]:
-    """read_blocks' file checks, read_shards' rules: the path as str and the tensor's end."""
+    """The file checks of read_shards and read_blocks: the path as str and the tensor's end.
+
+    Only a regular file: opening a FIFO blocks until a writer comes (forever), a device may
+    never end. The C core checks again on the descriptor it opens (O_NONBLOCK, fstat), so a
+    file swapped for a FIFO after this stat cannot hang the call either."""
     if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     path_str = os.fspath(path)
@@ -874,7 +837,6 @@ def _check_tensor_file(path: object, offset: object, src_dtype: torch.dtype,
             f"{path_str}: no such file; it should hold a tensor of shape {shape} "
             f"({src_dtype}) at bytes [{offset}, {end})"
         ) from None
-    # As in read_shards: regular files only (the C core checks its descriptor again).
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(
             f"{path_str} is {file_kind(st.st_mode)}, not a regular file; {fn} reads "
