@@ -12,6 +12,7 @@ import os
 import numpy as np
 import torch
 
+from .sharding.hosts import Host
 from .sharding.mesh import AXES, MeshShape, canonical_device_ids, validate_mesh_axes
 
 
@@ -146,13 +147,31 @@ def sync() -> None:
     torch_xla.sync()
 
 
-def make_mesh(shape: MeshShape):
-    """A torch_xla Mesh over all devices with axes ("data", "fsdp", "model")."""
+def make_mesh(shape: MeshShape, multislice=None):
+    """A torch_xla Mesh over all devices with axes ("data", "fsdp", "model").
+
+    With a ``sharding.multislice.MultiSlice`` of several slices, the axes are split into their
+    DCN and ICI parts: on TPU torch_xla's ``HybridMesh`` orders the devices (by slice, then by the
+    physical torus); elsewhere slices are consecutive device ids (``multislice.device_order``),
+    which is how the tests stand in for slices on XLA:CPU."""
     _, _, xs = _xla()
     n = device_count()
     if shape.num_devices != n:
         raise ValueError(f"mesh {shape} needs {shape.num_devices} devices, the runtime has {n}")
-    return xs.Mesh(np.arange(n), shape.sizes, AXES)
+    if multislice is None or multislice.slices == 1:
+        return xs.Mesh(np.arange(n), shape.sizes, AXES)
+    from .sharding.multislice import device_order
+
+    ici, dcn = multislice.split(shape)
+    if on_tpu():
+        try:
+            return xs.HybridMesh(ici_mesh_shape=ici.sizes, dcn_mesh_shape=dcn.sizes,
+                                 axis_names=AXES)
+        except ValueError as e:
+            raise ValueError(f"torch_xla could not lay out {multislice.slices} slices ({e}); "
+                             "check that the job runs on that many slices (MEGASCALE_* settings, "
+                             "docs/multihost.md), or drop multislice=") from e
+    return xs.Mesh(np.asarray(device_order(ici, dcn)), shape.sizes, AXES)
 
 
 def adopt_user_mesh(mesh):
@@ -204,57 +223,46 @@ def replicated(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _coords(mesh) -> dict[int, dict[str, int]]:
-    """device id -> {axis name: index} in ``mesh``."""
-    logical = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
-    out = {}
-    for idx in np.ndindex(*logical.shape):
-        out[int(logical[idx])] = dict(zip(mesh.axis_names, idx))
-    return out
+def current_host():
+    """This process's ``sharding.hosts.Host``: its index, the process count and the global ids of
+    the devices it addresses (torch_xla's runtime), or the simulated host that
+    ``AUTOXLA_SIMULATE_HOST=i/P`` names (docs/multihost.md)."""
+    torch_xla, xr, _ = _xla()
+    n = device_count()
+    simulated = Host.from_env(n)
+    if simulated is not None:
+        return simulated
+    if xr.process_count() == 1:
+        return Host.single(n)
+    # "TPU:5": PJRT's global device id; each process lists only the devices it addresses.
+    local = tuple(int(d.rsplit(":", 1)[1]) for d in torch_xla._XLAC._xla_get_runtime_devices())
+    return Host(xr.process_index(), xr.process_count(), local)
 
 
-def shard_grid(spec: tuple, mesh) -> tuple[int, ...]:
-    """Shards per tensor dimension under ``spec``."""
-    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
-    grid = []
-    for axes in spec:
-        names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        grid.append(int(np.prod([sizes[a] for a in names])) if names else 1)
-    return tuple(grid)
-
-
-def device_shard_coords(spec: tuple, mesh) -> list[tuple[int, ...]]:
-    """For device 0..N-1, the grid coordinate of the shard it holds under ``spec``.
-
-    A dimension split over several axes (a tuple) is indexed row-major in the order listed,
-    the way XLA's tile assignment lays it out; tests check this against mark_sharding.
-    """
-    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
-    coords = _coords(mesh)
-    out = []
-    for dev in range(len(coords)):
-        c = coords[dev]
-        per_dim = []
-        for axes in spec:
-            names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-            i = 0
-            for a in names:
-                i = i * sizes[a] + c[a]
-            per_dim.append(i)
-        out.append(tuple(per_dim))
-    return out
-
-
-def tensor_from_shards(shards: list[torch.Tensor], spec: tuple, mesh, shape) -> torch.Tensor:
-    """A sharded XLA tensor built from host shards, one per device in device order.
+def tensor_from_shards(shards: dict[int, torch.Tensor], spec: tuple, mesh, shape,
+                       host=None) -> torch.Tensor:
+    """A sharded XLA tensor from host shards: ``shards`` maps every device ``host`` addresses
+    (default: all of them) to its shard.
 
     Unlike ``t.to(device)`` followed by ``mark_sharding``, this never places the whole tensor on
-    one device first (docs/benchmarks.md measures the difference).
+    one device first (docs/benchmarks.md measures the difference). On a multi-process runtime
+    torch_xla takes the addressed devices' shards only. A simulated host has every device in its
+    one process: the devices it does not own get NaN (0 for integers), so a test that read them
+    would fail loudly rather than see another host's data.
     """
     torch_xla, _, _ = _xla()
     ensure_spmd()
     op = mesh.get_op_sharding(tuple(spec))
-    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, op, list(shape))
+    if host is None or host.is_everything:
+        ordered = [shards[d] for d in range(len(shards))]
+    elif host.simulated:
+        like = next(iter(shards.values()))
+        fill = float("nan") if like.is_floating_point() else 0
+        ordered = [shards[d] if d in shards else torch.full_like(like, fill)
+                   for d in range(device_count())]
+    else:
+        ordered = [shards[d] for d in host.devices]
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(ordered, op, list(shape))
 
 
 def wait_for_transfers() -> None:

@@ -36,6 +36,7 @@ class LoadOptions:
     generation_options: Any = None      # GenerationOptions (or its dict) once validated
     compile_cache: Any = None           # directory of torch_xla's persistent compilation cache
     scan_layers: bool = True            # run the decoder stack as one loop where it repeats
+    multislice: Any = None              # MultiSlice once validated: slices joined by DCN
     hub_kwargs: dict = field(default_factory=dict)      # revision, cache_dir, token, ...
     config_kwargs: dict = field(default_factory=dict)   # anything else: config overrides
 
@@ -79,6 +80,7 @@ class LoadOptions:
         if self.compile_cache is not None and not isinstance(self.compile_cache, (str, os.PathLike)):
             raise TypeError(f"compile_cache must be a directory path, got "
                             f"{type(self.compile_cache).__name__}")
+        self._validate_multislice()
         if not isinstance(self.scan_layers, bool):
             raise TypeError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         if not isinstance(self.xla_patch_linear, bool):
@@ -90,6 +92,21 @@ class LoadOptions:
         if (self.auto_wrap_policy or self.shard_output_callable) and not self.use_fsdp_wrap:
             raise ValueError("auto_wrap_policy and shard_output_callable configure the FSDPv2 "
                              "wrapper: pass use_fsdp_wrap=True as well")
+
+    def _validate_multislice(self) -> None:
+        from ..sharding.multislice import MultiSlice
+
+        ms = self.multislice
+        if isinstance(ms, int) and not isinstance(ms, bool):
+            ms = MultiSlice(ms)
+        if ms is not None and not isinstance(ms, MultiSlice):
+            raise TypeError(f"multislice must be an AutoXLA.sharding.MultiSlice (or a slice "
+                            f"count), got {type(ms).__name__}; e.g. multislice=MultiSlice(2)")
+        if ms is not None and ms.slices > 1 and self.mesh is not None:
+            raise ValueError("multislice=... builds the mesh across slices, but mesh= passes one "
+                             "already: build yours with torch_xla's HybridMesh and drop "
+                             "multislice, or drop mesh=")
+        self.multislice = ms if ms is not None and ms.slices > 1 else None
 
     def _validate_attention(self) -> None:
         from ..attention import AttentionConfig

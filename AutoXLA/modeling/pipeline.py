@@ -49,8 +49,8 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
             "attn_implementation, attention_config, do_quant, quantization_config, calibration, "
-            "xla_patch_linear, generation_options, compile_cache, scan_layers) nor fields of the model's "
-            "config; check the spelling")
+            "xla_patch_linear, generation_options, compile_cache, scan_layers, multislice) nor "
+            "fields of the model's config; check the spelling")
     config._attn_implementation = opts.attn_implementation
     if opts.attn_implementation != "eager":
         register_attention()   # transformers must know the name before the model is built
@@ -139,24 +139,31 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
         (shape, mesh), strategy = backend.adopt_user_mesh(opts.mesh), "custom mesh"
     else:
         shape = mesh_shape_for(opts.sharding_strategy, backend.device_count())
-        mesh, strategy = backend.make_mesh(shape), opts.sharding_strategy
+        mesh, strategy = backend.make_mesh(shape, opts.multislice), opts.sharding_strategy
     plan = build_plan(resolved.model, resolved.config, shape, strategy, resolved.dtype, resolved.tied,
                       scan_layers=opts.scan_layers)
+    if opts.multislice is not None:
+        plan.notes.append("links: " + opts.multislice.links(shape))
     return plan, mesh
 
 
 def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
-         verbose: bool | None = False, smoothing=None) -> None:
+         verbose: bool | None = False, smoothing=None, host=None) -> None:
     """Step 3: stream every tensor from the checkpoint into its sharded place on the devices.
 
-    ``smoothing`` (calibration's SmoothQuant factors) is applied on the host to the tensors it
-    changes, which are read whole for that, before they are quantized or sharded."""
+    Each process builds the shards of the devices it addresses (``host``, default
+    ``backend.current_host()``) and reads only the bytes they hold (docs/multihost.md); one process
+    on one host reads everything. ``smoothing`` (calibration's SmoothQuant factors) is applied on
+    the host to the tensors it changes, which are read whole for that, before they are quantized
+    or sharded. What was read is left on the model as ``autoxla_load`` (a LoadStats)."""
+    host = host or backend.current_host()
     state = (ckpt.load_pickle_state(checkpoint.pickle_files, checkpoint.pickle_map)
              if checkpoint.is_pickle else None)
     sources, quantize = _sources(model, plan, checkpoint, state)
     report = getattr(model, "autoxla_quantization", None)
     progress = _progress(plan, verbose)
     smoothed = smoothing.tensor_names() if smoothing is not None else set()
+    stats = LoadStats(host, checkpoint_bytes=sum(r.nbytes for r in checkpoint.records.values()))
     in_flight = 0
     for t in plan:
         if t.tied_to or t.derived_from in quantize:   # shared, or made with its weight below
@@ -165,25 +172,26 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
         owner, leaf = _owner(model, t.name)
         if t.name in quantize:
             in_flight += _load_quantized(owner, t, plan, mesh, key, state, checkpoint, report,
-                                         smoothing if t.name in smoothed else None)
+                                         smoothing if t.name in smoothed else None, host, stats)
         else:
             dtype = getattr(torch, t.dtype)
             if key is None:   # computed buffer (or a persistent one the checkpoint lacks)
-                value = streaming.tensor_to_device(owner._buffers[leaf], t.spec, mesh, dtype)
+                value = streaming.tensor_to_device(owner._buffers[leaf], t.spec, mesh, dtype, host)
             elif t.name in smoothed:
-                value = _read_host(key, state, checkpoint)
+                value = _read_host(key, state, checkpoint, stats)
                 _check_shape(t, tuple(value.shape), key)
                 # In the load dtype, as calibration smoothed the float model on the devices.
                 value = streaming.tensor_to_device(smoothing.transform(t.name, value.to(dtype)),
-                                                   t.spec, mesh, dtype)
+                                                   t.spec, mesh, dtype, host)
             elif state is not None:
                 _check_shape(t, tuple(state[key].shape), key)
-                value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype)
+                value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype, host)
             else:
                 record = checkpoint.records[key]
                 _check_shape(t, record.shape, key)
-                shards = streaming.shard_grid_tensors(record, backend.shard_grid(t.spec, mesh), dtype)
-                value = streaming.to_device(shards, t.spec, mesh, t.shape)
+                shards, read = streaming.host_shards(record, t.spec, mesh, host, dtype)
+                stats.bytes_read += read
+                value = streaming.to_device(shards, t.spec, mesh, t.shape, host)
                 del shards
             _assign(owner, leaf, value, t.is_buffer)
             in_flight += t.nbytes
@@ -201,17 +209,36 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
             if p.device.type == "meta"]
     if left:
         raise RuntimeError(f"internal error: {left[:5]} were planned but not loaded; please report")
+    model.autoxla_load = stats
+    if not host.is_everything:
+        logger.info("%s", stats)
+
+
+@dataclass
+class LoadStats:
+    """What one process read of the checkpoint while loading (docs/multihost.md)."""
+
+    host: Any
+    checkpoint_bytes: int
+    bytes_read: int = 0
+
+    def __str__(self) -> str:
+        share = self.bytes_read / max(self.checkpoint_bytes, 1)
+        return (f"host {self.host.index} of {self.host.count} ({len(self.host.devices)} devices) "
+                f"read {self.bytes_read / 2**20:.1f} MiB of the checkpoint's "
+                f"{self.checkpoint_bytes / 2**20:.1f} MiB ({share:.1%})")
 
 
 def place(model: nn.Module, plan: Plan, mesh) -> None:
     """Step 3 for from_model: every tensor the model already holds, sent to its planned shards."""
-    in_flight = 0
+    in_flight, host = 0, backend.current_host()
     for t in plan:
         if t.tied_to:
             continue
         owner, leaf = _owner(model, t.name)
         current = owner._buffers[leaf] if t.is_buffer else owner._parameters[leaf]
-        value = streaming.tensor_to_device(current.detach(), t.spec, mesh, getattr(torch, t.dtype))
+        value = streaming.tensor_to_device(current.detach(), t.spec, mesh, getattr(torch, t.dtype),
+                                           host)
         _assign(owner, leaf, value, t.is_buffer)
         in_flight += t.nbytes
         if in_flight >= _WAIT_BYTES:       # as in load(): bound the host copies in flight
@@ -265,32 +292,56 @@ def _source_dtype(key: str, state, checkpoint) -> torch.dtype:
     return state[key].dtype if state is not None else checkpoint.records[key].dtype
 
 
-def _read_host(key: str, state, checkpoint) -> torch.Tensor:
-    return state.pop(key) if state is not None else streaming.read_whole(checkpoint.records[key])
+def _read_host(key: str, state, checkpoint, stats: LoadStats) -> torch.Tensor:
+    if state is not None:
+        return state.pop(key)
+    stats.bytes_read += checkpoint.records[key].nbytes
+    return streaming.read_whole(checkpoint.records[key])
 
 
 def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, checkpoint, report,
-                    smoothing=None) -> int:
+                    smoothing, host, stats: LoadStats) -> int:
     """Quantize one float checkpoint weight on the host (C engine), then shard its quantized
-    tensors by their planned specs. Returns the bytes sent to the devices."""
+    tensors by their planned specs. Returns the bytes sent to the devices.
+
+    One host quantizes the whole weight. One of several reads and quantizes only the pieces its
+    devices' shards come from (loading/host_quantize.py), unless the weight is smoothed or comes
+    from pickle weights, which are whole in memory anyway."""
+    from ..loading.host_quantize import host_quantized_shards
     from ..quantization.linear import stored_tensors
     from ..quantization.quantizer import quantize_tensor
 
-    w = _read_host(key, state, checkpoint)
-    _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
-    if smoothing is not None:      # in float32: quantize the product, not a bf16 rounding of it
-        w = smoothing.transform(t.name, w.float())
     prefix = t.name.rpartition(".")[0]
+    names = {leaf: f"{prefix}.{leaf}" if prefix else leaf
+             for leaf in ("weight", "weight_scale", "weight_zero_point", "weight_offset")}
+    leaves = {leaf: plan[name] for leaf, name in names.items() if name in plan}
     importance = report.importance(prefix) if report is not None else None   # calibration's
-    q = quantize_tensor(w, owner.quant_format, f"{t.name} (checkpoint tensor {key!r})",
-                        importance=importance)
-    del w
-    if report is not None:
+    label = f"{t.name} (checkpoint tensor {key!r})"
+
+    def quantize(w, importance):
+        return quantize_tensor(w, owner.quant_format, label, importance=importance)
+
+    if host.is_everything or smoothing is not None or state is not None:
+        w = _read_host(key, state, checkpoint, stats)
+        _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+        if smoothing is not None:  # in float32: quantize the product, not a bf16 rounding of it
+            w = smoothing.transform(t.name, w.float())
+        q = quantize(w, importance)
+        del w
+        shards = {leaf: streaming.split_for_host(value, leaves[leaf].spec, mesh, host)
+                  for leaf, value in stored_tensors(q).items()}
+    else:
+        record = checkpoint.records[key]
+        _check_shape(t, record.shape, key, expected=t.source_shape)
+        shards, read, q = host_quantized_shards(record, leaves, owner.quant_format, mesh, host,
+                                                quantize, importance)
+        stats.bytes_read += read
+    if report is not None:     # on several hosts: the statistics of this host's pieces
         report.record_stats(prefix, q)
     sent = 0
-    for leaf, value in stored_tensors(q).items():
-        entry = plan[f"{prefix}.{leaf}" if prefix else leaf]
-        owner._buffers[leaf] = streaming.tensor_to_device(value, entry.spec, mesh)
+    for leaf, by_device in shards.items():
+        entry = leaves[leaf]
+        owner._buffers[leaf] = streaming.to_device(by_device, entry.spec, mesh, entry.shape, host)
         sent += entry.nbytes
     return sent
 

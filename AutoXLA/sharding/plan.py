@@ -65,14 +65,21 @@ class Plan:
     stack: StackPlan | None = None
 
     def __getitem__(self, name: str) -> TensorPlan:
+        index = self._by_name()
+        if name not in index:
+            raise KeyError(f"{name!r} is not in the plan of {self.model_class}")
+        return index[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name()
+
+    def _by_name(self) -> dict[str, TensorPlan]:
         # The loader looks up every quantized tensor: index once (plans are built, then only read;
         # the length check covers a tensor appended afterwards).
         index = self.__dict__.get("_index")
         if index is None or len(index) != len(self.tensors):
             index = self.__dict__["_index"] = {t.name: t for t in self.tensors}
-        if name not in index:
-            raise KeyError(f"{name!r} is not in the plan of {self.model_class}")
-        return index[name]
+        return index
 
     def __iter__(self):
         return iter(self.tensors)
