@@ -53,6 +53,10 @@ def add_arguments(p) -> None:
                         f"{forecast_request.DEFAULT_HEADROOM})")
     p.add_argument("--recommend", action="store_true", help="with --topology: rank strategies "
                    "and mesh shapes by fit and bytes per device")
+    p.add_argument("--slices", type=int, default=1, help="TPU slices joined by DCN (default 1): "
+                   "the plan says which mesh axis crosses which link (docs/multihost.md)")
+    p.add_argument("--dcn-axes", default="data", help="with --slices: the axes that may cross "
+                   "DCN, comma-separated, in order (default data; data,fsdp)")
     p.add_argument("--plot", default=None, metavar="FILE", help="draw memory per device by "
                    "category against the chip's HBM: the chosen strategy, or with --recommend "
                    f"every ranked mesh side by side ({', '.join('.' + f for f in FORMATS)})")
@@ -64,10 +68,13 @@ def run(args) -> int:
     qcfg = _quantization(args)
     req = forecast_request.request(args)       # every flag checked before a model is built
     strategy = normalize_strategy(args.strategy)
+    slices = _multislice(args, mesh_shape_for(strategy, req.devices))
     with forecast_request.one_thread():
         r, config = meta_model(args.path, args.dtype, qcfg, on_tpu=not args.cpu)
         mesh = mesh_shape_for(strategy, req.devices)
         plan = plan_for_mesh(r, config, strategy, mesh, scan_layers=not args.no_scan)
+    if slices is not None:
+        plan.notes.append("links: " + slices.links(mesh))
     kv = _kv_cache(plan, args, req)
     comm = _communication(plan, args)
     fc = forecast_request.forecast(req, plan, config)
@@ -84,6 +91,18 @@ def run(args) -> int:
     if req.plot is not None:
         _plot(args.path, req, plan, strategy, mesh, fc, ranking)
     return 0
+
+
+def _multislice(args, mesh):
+    """The MultiSlice of --slices / --dcn-axes, checked against the mesh now (before a model is
+    built), or None for one slice."""
+    from .sharding.multislice import MultiSlice
+
+    if args.slices == 1:
+        return None
+    slices = MultiSlice(args.slices, tuple(a.strip() for a in args.dcn_axes.split(",")))
+    slices.split(mesh)          # a mesh the slices cannot divide: the error says how to fix it
+    return slices
 
 
 def _quantization(args):

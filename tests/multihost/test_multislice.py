@@ -96,3 +96,16 @@ def test_from_pretrained_builds_the_hybrid_mesh(checkpoints, xla_devices):
     # The same program on a permuted device order: same arithmetic, so the same numbers up to
     # the order of the cross-device sums (~1e-6 on logits of magnitude ~1).
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_autoxla_plan_says_which_axis_crosses_which_link(checkpoints, capsys):
+    from AutoXLA import cli
+
+    path = str(checkpoints["llama"])
+    assert cli.main(["plan", path, "--strategy", "3d", "--devices", "16", "--slices", "2"]) == 0
+    assert ("note: links: 2 slices: data=2 over DCN (across slices); fsdp=4 over ICI (within a "
+            "slice); model=2 over ICI (within a slice)") in capsys.readouterr().out
+    assert cli.main(["plan", path, "--slices", "2"]) == 2          # fsdp: data=1, nowhere to go
+    assert "dcn_axes=('data', 'fsdp')" in capsys.readouterr().err
+    assert cli.main(["plan", path, "--slices", "2", "--dcn-axes", "data,fsdp"]) == 0
+    assert "fsdp=8 over DCN x2 across slices, ICI x4 within each" in capsys.readouterr().out
