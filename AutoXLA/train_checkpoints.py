@@ -69,7 +69,8 @@ class TrainingCheckpoints:
         """The committed steps, ascending (a step whose save was killed is not one)."""
         if not self.directory.is_dir():
             return []
-        self._settle_replaced()
+        if _rank() == 0:            # one process repairs; the others only look
+            self._settle_replaced()
         found = []
         for entry in os.listdir(self.directory):
             m = _STEP.match(entry)

@@ -158,3 +158,46 @@ def test_a_resave_killed_between_its_renames_keeps_the_step(tmp_path):
     # What a kill leaves after moving step 3 aside and before renaming the new one in:
     os.rename(saves.path(3), tmp_path / "run" / "step-00000003.replaced")
     assert saves.steps() == [2, 3] and saves.path(3).is_dir()
+
+
+_RANK = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from AutoXLA.train_checkpoints import TrainingCheckpoints
+    root, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    torch.manual_seed(0)               # the same model on both ranks: data parallel
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.zero_grad(); model(torch.ones(2, 32)).square().mean().backward(); opt.step()
+    saves = TrainingCheckpoints(root)
+    saves.save(1, model, opt)
+    assert saves.steps() == [1], saves.steps()     # committed when save returns, on every rank
+    if rank == 0:
+        torch.save(model.state_dict(), root + "/expected.pt")
+    dist.destroy_process_group()
+""")
+
+
+def test_two_processes_commit_one_step(tmp_path):
+    """Two processes of a gloo group save together: DCP coordinates the writing, process 0
+    commits after a barrier, and both see the step committed when save returns. (Plain CPU
+    tensors: XLA:CPU cannot run one SPMD job across processes, docs/multihost.md.)"""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tmp_path / "run"
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(root), str(r), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    for p in ranks:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+    assert sorted(os.listdir(root)) == ["expected.pt", "step-00000001"]
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    TrainingCheckpoints(root).restore(model)
+    for name, value in torch.load(root / "expected.pt").items():
+        assert torch.equal(model.state_dict()[name], value), name
