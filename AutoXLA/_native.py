@@ -713,6 +713,16 @@ def file_kind(mode: int) -> str:
     )
 
 
+def _read_scratch(lib, src_dtype, shape, c_shape, threads: int, what: str, needed: bool = True):
+    """(the staging buffer axl_read_shards / axl_read_blocks read through, its size)."""
+    scratch_bytes = lib.axl_read_shards_scratch_bytes(
+        _SHARD_DTYPES[src_dtype], len(shape), c_shape, threads
+    )
+    if scratch_bytes < 0:
+        _check_status(-scratch_bytes, f"{what} scratch size for {shape} ({src_dtype})")
+    return torch.empty(scratch_bytes if needed else 0, dtype=torch.uint8), scratch_bytes
+
+
 def read_shards(
     path: str | os.PathLike,
     offset: int,
@@ -748,12 +758,7 @@ def read_shards(
     c_shape, c_grid = _int64_array(shape), _int64_array(grid)
     # One thread count for both calls: the scratch size depends on it.
     threads = threads or lib.axl_num_cpus()
-    scratch_bytes = lib.axl_read_shards_scratch_bytes(
-        _SHARD_DTYPES[src_dtype], ndim, c_shape, threads
-    )
-    if scratch_bytes < 0:
-        _check_status(-scratch_bytes, f"read_shards scratch size for {shape} ({src_dtype})")
-    scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+    scratch, scratch_bytes = _read_scratch(lib, src_dtype, shape, c_shape, threads, "read_shards")
     blocks, ptrs = _alloc_blocks(shape, grid, dtype)
     # The scratch, blocks and arrays stay referenced by this frame until the call returns.
     status = lib.axl_read_shards(
@@ -895,12 +900,8 @@ def read_blocks(
     c_shape, c_grid = _int64_array(shape), _int64_array(grid)
     threads = threads or lib.axl_num_cpus()
     # read_shards' scratch: autoxla.h promises it is enough for any subset of the blocks.
-    scratch_bytes = lib.axl_read_shards_scratch_bytes(
-        _SHARD_DTYPES[src_dtype], ndim, c_shape, threads
-    )
-    if scratch_bytes < 0:
-        _check_status(-scratch_bytes, f"read_blocks scratch size for {shape} ({src_dtype})")
-    scratch = torch.empty(scratch_bytes if ks else 0, dtype=torch.uint8)
+    scratch, scratch_bytes = _read_scratch(lib, src_dtype, shape, c_shape, threads,
+                                           "read_blocks", needed=bool(ks))
     block = _block_shape(shape, grid)
     blocks = {k: torch.empty(block, dtype=dtype) for k in ks}
     ptrs = (ctypes.c_void_p * math.prod(grid))()  # NULL: not wanted

@@ -454,17 +454,14 @@ def _barrier() -> None:
 
 
 def _write_json(path: Path, value: dict) -> None:
+    from .saving import _write_text
+
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    _write_text(tmp, json.dumps(value, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    from .saving import _fsync_dir as fsync_dir
+
+    fsync_dir(path)
