@@ -87,6 +87,16 @@ def test_restore_refuses_another_model(checkpoints, xla_devices, tmp_path):
         saves.restore(model, torch.optim.AdamW(model.parameters()))
     with pytest.raises(TrainingCheckpointError, match="step 7 is not a committed"):
         saves.restore(model, step=7)
+    with pytest.raises(TrainingCheckpointError, match="without a transformers config"):
+        saves.export_safetensors(tmp_path / "out")
+    with pytest.raises(TrainingCheckpointError, match="step=-1"):
+        saves.save(-1, model)
+    with pytest.raises(TrainingCheckpointError, match="keep=0"):
+        TrainingCheckpoints(tmp_path / "other", keep=0)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(TrainingCheckpointError, match="is a file"):
+        TrainingCheckpoints(tmp_path / "a-file")
+    assert (tmp_path / "a-file").read_text() == "x"           # untouched
 
 
 # A child that trains a small CPU model, commits step 1, then is killed in the middle of saving
