@@ -372,7 +372,10 @@ def _load_optimizer(model: nn.Module, optimizer, saved: dict, loaded: dict) -> N
             raise TrainingCheckpointError("the optimizer's parameter groups hold other parameters "
                                           "than the checkpoint's; build it the same way")
         groups.append({**s["settings"], "params": [index[n] for n in s["params"]]})
-    state = {index[n]: {**loaded[n], **saved["scalars"].get(n, {})} for n in loaded}
+    # In the optimizer's parameter order, as its own state dict lists them (the manifest's JSON
+    # sorts names).
+    state = {index[n]: {**loaded[n], **saved["scalars"].get(n, {})}
+             for n in sorted(loaded, key=index.__getitem__)}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
