@@ -4,9 +4,12 @@ from .modeling import (AutoXLAModelForCausalLM, AutoXLAModelForImageSegmentation
                        AutoXLAModelForMaskGeneration)
 from .quantization import LanguageModelQuantizer, ModelQuantizer, QuantizationConfig
 from .sharding.mesh import MeshShape, mesh_shape_for
+from .sharding.multislice import MultiSlice
 from .sharding.plan import Plan, TensorPlan
+from .train_checkpoints import TrainingCheckpoints
 
 __version__ = "0.1.0"
 __all__ = ["AttentionConfig", "AutoXLAModelForCausalLM", "AutoXLAModelForImageSegmentation",
-           "AutoXLAModelForMaskGeneration", "LanguageModelQuantizer", "MeshShape", "ModelQuantizer", "Plan",
-           "QuantizationConfig", "TensorPlan", "mesh_shape_for"]
+           "AutoXLAModelForMaskGeneration", "LanguageModelQuantizer", "MeshShape", "ModelQuantizer",
+           "MultiSlice", "Plan", "QuantizationConfig", "TensorPlan", "TrainingCheckpoints",
+           "mesh_shape_for"]
