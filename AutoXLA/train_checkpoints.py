@@ -331,9 +331,7 @@ def _optimizer_templates(model: nn.Module, saved: dict) -> dict:
     """Tensors DCP loads the optimizer state into: XLA ones sharded like their parameter."""
     from . import backend
 
-    from .saving import _FSDP_WRAPPED
-
-    params = {n.replace(_FSDP_WRAPPED, ""): p for n, p in model.named_parameters()}
+    params = {name: p for p, name in _parameters_by_name(model)}
     out = {}
     for name, entries in saved["state"].items():
         if name not in params:
@@ -380,9 +378,14 @@ def _load_optimizer(model: nn.Module, optimizer, saved: dict, loaded: dict) -> N
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for p, name in _parameters_by_name(model)}
+
+
+def _parameters_by_name(model: nn.Module) -> list[tuple[nn.Parameter, str]]:
+    """(parameter, its name without FSDPv2's wrapper parts), as named_parameters lists them."""
     from .saving import _FSDP_WRAPPED
 
-    return {id(p): n.replace(_FSDP_WRAPPED, "") for n, p in model.named_parameters()}
+    return [(p, n.replace(_FSDP_WRAPPED, "")) for n, p in model.named_parameters()]
 
 
 # -- export --------------------------------------------------------------------------------------
