@@ -27,19 +27,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak() -> None:
-    with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
-        f.write("5")      # VmHWM := current RSS (Linux >= 4.0)
+from load import _reset_peak, _status as _rss, make_checkpoint  # noqa: E402  (bench/load.py)
 
 
 def _timed(fn):
@@ -126,9 +116,6 @@ def main() -> None:
     args = ap.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="autoxla-train-ckpt-"))
     checkpoint, work = root / "checkpoint", root / "work"
-    sys.path.insert(0, str(ROOT / "bench"))
-    from load import make_checkpoint
-
     if not (checkpoint / "config.json").exists():
         make_checkpoint(checkpoint, args.size_gb)
     from AutoXLA.loading.checkpoint import locate
