@@ -32,7 +32,6 @@ from ..sharding.decoder_stack import StackPlan, find_stack
 from ..generation.stacked_cache import StackedStaticCache, StepCache
 
 logger = logging.getLogger("AutoXLA")
-_CACHE_KEYS = ("cache", "past_key_values")   # transformers 5.24 renames the second to the first
 
 
 class StackedTensors(nn.Module):
@@ -96,7 +95,7 @@ class StackedDecoderLayers(nn.Module):
     def run(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
         why = self._why_unrolled(indices, calls)
         if not why:
-            frozen = _freeze([c.kwargs for c in calls[:self.stack_plan.group]])
+            frozen = _freeze([c.without_cache() for c in calls[:self.stack_plan.group]])
             if torch.is_grad_enabled() and any(t.requires_grad for t in frozen[0]):
                 why = "an argument of the layers requires gradients"
         self.last_mode = "unrolled: " + why if why else "scanned"
@@ -142,7 +141,7 @@ class StackedDecoderLayers(nn.Module):
     def _scanned(self, indices: range, calls: list["_Call"], consts, rebuild) -> torch.Tensor:
         group = self.stack_plan.group
         stacked = {n: _steps(t, indices, group) for n, t in self.stacked_tensors().items()}
-        step = _Step(self.shells[:group], calls[0].args, rebuild, self.output_hook)
+        step = _Step(self.shells[:group], calls[0].cache_slot, rebuild, self.output_hook)
         hidden, cache = calls[0].hidden, calls[0].cache
         if torch.is_grad_enabled():      # only an empty dynamic cache gets here (_why_unrolled)
             step = replace(step, collect=cache is not None)
@@ -201,8 +200,36 @@ class _Call:
     kwargs: dict
 
     @property
+    def cache_slot(self):
+        """Where the layer is handed its cache: ("kw", name) (``cache``, ``past_key_values``,
+        GPT-NeoX's ``layer_past``), ("arg", index) (GPT-2 passes it positionally), or None.
+        Found by type: a cache object must never enter the loop body, whose tensors it would
+        keep after the loop is traced (their use then crashed the process)."""
+        from transformers.cache_utils import Cache
+
+        for k, v in self.kwargs.items():
+            if isinstance(v, Cache):
+                return ("kw", k)
+        for i, v in enumerate(self.args):
+            if isinstance(v, Cache):
+                return ("arg", i)
+        return None
+
+    @property
     def cache(self):
-        return next((self.kwargs[k] for k in _CACHE_KEYS if k in self.kwargs), None)
+        slot = self.cache_slot
+        if slot is None:
+            return None
+        return self.kwargs[slot[1]] if slot[0] == "kw" else self.args[slot[1]]
+
+    def without_cache(self) -> tuple[tuple, dict]:
+        """(args, kwargs) with the cache left out (None in its positional place)."""
+        slot = self.cache_slot
+        if slot is None:
+            return self.args, self.kwargs
+        if slot[0] == "kw":
+            return self.args, {k: v for k, v in self.kwargs.items() if k != slot[1]}
+        return self.args[:slot[1]] + (None,) + self.args[slot[1] + 1:], self.kwargs
 
     def new_tokens(self) -> int:
         return self.hidden.shape[1]
@@ -249,13 +276,13 @@ class _Step:
     """One loop step: ``group`` layers, each with its own weights slice and recorded arguments."""
 
     shells: list
-    args: tuple
-    rebuild: object               # consts -> per-layer kwargs
+    cache_slot: tuple | None      # where each layer takes its cache (_Call.cache_slot)
+    rebuild: object               # consts -> per-layer (args, kwargs), without the cache
     output_hook: object = None
     collect: bool = False                     # return each layer's new keys and values
 
     def layers(self, hidden, consts, weights, kv=None, fill=None):
-        kwargs = self.rebuild(consts)
+        arguments = self.rebuild(consts)
         new_keys, new_values = [], []
         for j, shell in enumerate(self.shells):
             cache = None
@@ -263,9 +290,8 @@ class _Step:
                 cache = StepCache(kv[0][j], kv[1][j], fill)
             elif self.collect:
                 cache = StepCache(None, None, None)
-            kw = kwargs[j] if cache is None else {**kwargs[j], "cache": cache}
-            hidden = _call_layer(shell, {n: w[j] for n, w in weights.items()}, hidden,
-                                 self.args, kw)
+            args, kw = _with_cache(*arguments[j], self.cache_slot, cache)
+            hidden = _call_layer(shell, {n: w[j] for n, w in weights.items()}, hidden, args, kw)
             if self.output_hook is not None:
                 self.output_hook(hidden)
             if cache is not None:
@@ -502,7 +528,17 @@ def _has_dropout(layer: nn.Module) -> bool:
     return False
 
 
-def _freeze(kwargs_list: list[dict]):
+def _with_cache(args: tuple, kwargs: dict, slot, cache) -> tuple[tuple, dict]:
+    """A layer's arguments with ``cache`` at ``slot`` (keyword arguments without it when there is
+    no cache, as transformers' own calls without one)."""
+    if slot is None or (cache is None and slot[0] == "kw"):
+        return args, kwargs
+    if slot[0] == "kw":
+        return args, {**kwargs, slot[1]: cache}
+    return args[:slot[1]] + (cache,) + args[slot[1] + 1:], kwargs
+
+
+def _freeze(arguments: list[tuple[tuple, dict]]):
     """The tensors in the layers' arguments but the cache (each once), and a function rebuilding
     the arguments from a same-ordered list of tensors. They enter the loop as inputs; a tensor the loop body
     only captured would be recomputed from its graph at every step. A KernelMask that needs its
@@ -540,14 +576,14 @@ def _freeze(kwargs_list: list[dict]):
         return lambda ts: v
 
     # The cache is not an argument the loop carries: each step hands its layers their own.
-    builders = [{k: plan(v) for k, v in kw.items() if k not in _CACHE_KEYS} for kw in kwargs_list]
+    builders = [(plan(tuple(args)), plan(kw)) for args, kw in arguments]
     # ``plan`` refers to itself through its cell: a reference cycle that would keep ``leaves``
     # (this call's masks and rotary tensors) alive until the garbage collector runs, and a live
     # tensor is an output of the next program, which then differs from step to step.
     plan = leaf = None
 
     def rebuild(ts):
-        return [{k: p(ts) for k, p in b.items()} for b in builders]
+        return [(positional(ts), keywords(ts)) for positional, keywords in builders]
 
     return tuple(leaves), rebuild
 
