@@ -14,6 +14,7 @@ import functools
 import types
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from .configs import decoder_config, module_configs
@@ -82,9 +83,66 @@ def plan_stack(model: nn.Module, enabled: bool = True) -> StackPlan | None:
     if not enabled:
         return plan.unrolled("scan_layers=False")
     group, reason = repeating_group(list(layers))
+    if not reason:
+        reason = how_layers_are_called(model, path, len(layers))
     if reason:
         return plan.unrolled(reason)
     return dataclasses.replace(plan, group=group, scanned=True)
+
+
+def how_layers_are_called(model: nn.Module, path: str, n: int) -> str:
+    """"" when the model's own forward calls its decoder layers as a scanned stack can run them
+    (in order, each handed the hidden states the previous one returned), else why not.
+
+    Found by running the empty model's forward on fake tensors (no memory, no device, ~0.05 s)
+    with each layer replaced by a stand-in that hands its input through: Falcon's model code,
+    for example, takes ``outputs[0]`` of each layer, which a loop that carries one tensor cannot
+    express. A forward that fails for another reason before the layers run (an operation fake
+    tensors cannot do) decides nothing; the stack then checks at its first call (modeling/scan.py).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls: list = []
+    stand_ins = nn.ModuleList(_PassThrough(calls, k) for k in range(n))
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    layers = getattr(parent, attr)
+    buffers = [(m, dict(m._buffers)) for m in model.modules()]   # a forward may update rope buffers
+    setattr(parent, attr, stand_ins)
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            ids = torch.zeros(1, 4, dtype=torch.long, device="meta")
+            model(input_ids=ids, use_cache=False)
+    except Exception:    # after the layers ran (an output step) or before (undecided): see above
+        pass
+    finally:
+        setattr(parent, attr, layers)
+        for m, saved in buffers:
+            m._buffers.clear()
+            m._buffers.update(saved)
+    order = [k for k, _ in calls]
+    if order and order != list(range(len(order))):
+        return f"the model calls its decoder layers in the order {order[:8]}, not one after another"
+    for (k, hidden), (_, previous) in zip(calls[1:], calls):
+        if hidden is not previous:
+            return (f"the model changes the hidden states between decoder layers (layer {k} is not "
+                    f"handed what layer {k - 1} returned: its layers return a tuple the model "
+                    "indexes, or the model transforms their output), which one loop carrying the "
+                    "hidden states cannot express")
+    return ""
+
+
+class _PassThrough(nn.Module):
+    """Stands in for decoder layer k in how_layers_are_called: records what it is handed."""
+
+    def __init__(self, calls: list, index: int):
+        super().__init__()
+        self.calls, self.index = calls, index
+
+    def forward(self, *args, **kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else (args[0] if args else None)
+        self.calls.append((self.index, hidden))
+        return hidden
 
 
 def repeating_group(layers: list[nn.Module]) -> tuple[int, str]:
