@@ -25,17 +25,17 @@ def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
 
     dtype = getattr(torch, kv.dtype)
     if stacked:
-        shape = (kv.layers, kv.batch, kv.kv_heads, kv.length, kv.head_dim)
-        cache = StackedStaticCache.make(kv.layers, kv.length,
-                                        torch.zeros(shape, dtype=dtype, device=device),
-                                        torch.zeros(shape, dtype=dtype, device=device))
+        cache = StackedStaticCache.make(
+            kv.layers, kv.length, torch.zeros((kv.layers, *kv.shape), dtype=dtype, device=device),
+            torch.zeros((kv.layers, *kv.value_shape), dtype=dtype, device=device))
         pin(cache, kv, mesh)
         return cache
     layers = []
     for _ in range(kv.layers):
         layer = StaticLayer(max_cache_len=kv.length)
-        probe = torch.empty((kv.batch, kv.kv_heads, 1, kv.head_dim), dtype=dtype, device=device)
-        layer.lazy_initialization(probe, probe)    # transformers' own set-up, then our sharding
+        keys = torch.empty((kv.batch, kv.kv_heads, 1, kv.head_dim), dtype=dtype, device=device)
+        values = torch.empty(kv.value_shape[:2] + (1, kv.value_shape[3]), dtype=dtype, device=device)
+        layer.lazy_initialization(keys, values)    # transformers' own set-up, then our sharding
         layers.append(layer)
     cache = Cache(layers=layers)
     pin(cache, kv, mesh)

@@ -364,21 +364,14 @@ def renamed_keys(model, keys) -> tuple[dict[str, str], list[str]]:
     transformers 5 saves some models in their hub layout and renames keys as it loads them
     (SAM3, SegFormer, Mask2Former's Swin backbone, legacy LayerNorm gamma/beta). The same rules,
     taken from transformers, map the checkpoint's keys here. A key whose rule also transforms the
-    tensor (a WeightConverter: fused or split experts, ...) is returned separately: the streaming
-    loader cannot apply it.
+    tensor (a WeightConverter: fused or split experts, ...) is returned separately
+    (``loading/converted.py`` places those it can).
     """
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (WeightConverter, WeightRenaming,
-                                                     rename_source_key)
-        from transformers.modeling_utils import PreTrainedModel
-    except ImportError:          # pragma: no cover - older transformers: names are as saved
+    renamings, converters = weight_conversions(model)
+    if renamings is None:
         return {k: k for k in keys}, []
-    if not isinstance(model, PreTrainedModel):
-        return {k: k for k in keys}, []
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    from transformers.core_model_loading import rename_source_key
+
     names, converted = {}, []
     for key in sorted(keys):     # sorted: transformers' grouped renames decide on the first key
         new, matched = rename_source_key(key, renamings, converters)
@@ -386,3 +379,19 @@ def renamed_keys(model, keys) -> tuple[dict[str, str], list[str]]:
             converted.append(key)
         names[new] = key
     return names, converted
+
+
+def weight_conversions(model) -> tuple[list | None, list]:
+    """transformers' (WeightRenaming list, WeightConverter list) for ``model``; (None, []) for a
+    model that is not a transformers model (or an older transformers without them)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:          # pragma: no cover - older transformers: names are as saved
+        return None, []
+    if not isinstance(model, PreTrainedModel):
+        return None, []
+    conversions = get_model_conversion_mapping(model)
+    return ([c for c in conversions if isinstance(c, WeightRenaming)],
+            [c for c in conversions if isinstance(c, WeightConverter)])

@@ -18,6 +18,7 @@ from ..loading import checkpoint as ckpt
 from ..loading import streaming
 from ..sharding.mesh import mesh_shape_for
 from ..sharding.plan import Plan, build_plan
+from . import dynamic_cache, experts
 from . import wrap as wrapping
 from .empty import check_sizes, load_config, parameters_on_meta
 from .options import LoadOptions
@@ -52,6 +53,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "xla_patch_linear, generation_options, compile_cache, scan_layers, multislice) nor "
             "fields of the model's config; check the spelling")
     config._attn_implementation = opts.attn_implementation
+    experts.use_for(config)     # static-shape mixture-of-experts layers (modeling/experts.py)
     if opts.attn_implementation != "eager":
         register_attention()   # transformers must know the name before the model is built
         set_decoder_attention(config, TRANSFORMERS_NAMES[opts.attn_implementation])
@@ -183,6 +185,11 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
                 # In the load dtype, as calibration smoothed the float model on the devices.
                 value = streaming.tensor_to_device(smoothing.transform(t.name, value.to(dtype)),
                                                    t.spec, mesh, dtype, host)
+            elif not isinstance(key, str):       # experts stacked from one tensor per expert
+                shards, read = key.host_shards(checkpoint.records, t.spec, mesh, host, dtype)
+                stats.bytes_read += read
+                value = streaming.to_device(shards, t.spec, mesh, t.shape, host)
+                del shards
             elif state is not None:
                 _check_shape(t, tuple(state[key].shape), key)
                 value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype, host)
@@ -259,14 +266,9 @@ def _sources(model: nn.Module, plan: Plan, checkpoint, state) -> tuple[dict, set
     checking that every weight the plan needs is in the checkpoint."""
     available = set(state) if state is not None else set(checkpoint.records)
     names, converted = ckpt.renamed_keys(model, available)
-    if converted:
-        raise ckpt.CheckpointError(
-            f"{len(converted)} tensor(s) of {checkpoint.directory} need transformers' weight "
-            f"conversion (not only a rename) to load into {plan.model_class}, e.g. "
-            f"{converted[:3]}; AutoXLA's streaming loader does not apply those: load the model "
-            "with transformers and pass it to from_model, or re-save it in the current layout")
+    composites = _composites(model, plan, checkpoint, converted, state)
     prefix, renamed = getattr(model, "base_model_prefix", "") + ".", set(names)
-    sources = {t.name: names.get(_checkpoint_key(t.name, renamed, prefix))
+    sources = {t.name: composites.get(t.name) or names.get(_checkpoint_key(t.name, renamed, prefix))
                for t in plan if not t.tied_to and t.persistent}
     # A quantized weight whose checkpoint tensor is float is quantized as it streams; its scale
     # and zero point come out of that call rather than from the checkpoint.
@@ -281,14 +283,47 @@ def _sources(model: nn.Module, plan: Plan, checkpoint, state) -> tuple[dict, set
             f"{len(missing)} weight(s) of {plan.model_class} are not in {checkpoint.directory}: "
             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}. The checkpoint does not match its "
             "config (wrong model class, revision or subfolder?): re-save it with save_pretrained")
-    unexpected = available - {k for k in sources.values() if k}
+    used = {k for k in sources.values() if isinstance(k, str)}
+    used.update(p.key for c in composites.values() for p in c.pieces)
+    unexpected = available - used
     if unexpected:
         logger.warning("ignoring %d checkpoint tensor(s) the model does not have: %s",
                        len(unexpected), sorted(unexpected)[:5])
     return sources, quantize
 
 
-def _source_dtype(key: str, state, checkpoint) -> torch.dtype:
+def _composites(model: nn.Module, plan: Plan, checkpoint, converted: list[str], state) -> dict:
+    """plan name -> Composite for the tensors transformers builds from several checkpoint
+    tensors (loading/converted.py), or a CheckpointError naming what cannot be placed."""
+    if not converted:
+        return {}
+    from ..loading.converted import compose
+
+    def refuse(what: str):
+        raise ckpt.CheckpointError(
+            f"{len(converted)} tensor(s) of {checkpoint.directory} need transformers' weight "
+            f"conversion to load into {plan.model_class} ({what}); AutoXLA places stacked and "
+            "concatenated experts, not other conversions: load the model with transformers and "
+            "pass it to from_model, or re-save it in the current layout")
+
+    if state is not None:
+        refuse("from pickle weights; convert them to safetensors")
+    renamings, converters = ckpt.weight_conversions(model)
+    shapes = {t.name: tuple(t.shape) for t in plan}
+    composites, unsupported = compose(model, converted, converters, renamings, shapes)
+    if unsupported:
+        refuse(f"e.g. {unsupported[:3]}")
+    for c in composites.values():
+        problem = c.check(checkpoint.records)
+        if problem:
+            raise ckpt.CheckpointError(f"{checkpoint.directory}: {problem}; the checkpoint does "
+                                       "not match its config: re-save it with save_pretrained")
+    return composites
+
+
+def _source_dtype(key, state, checkpoint) -> torch.dtype:
+    if not isinstance(key, str):                  # a Composite: its pieces' dtype
+        key = key.pieces[0].key
     return state[key].dtype if state is not None else checkpoint.records[key].dtype
 
 
@@ -528,6 +563,8 @@ def _finish(model: nn.Module, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
     if opts.attn_implementation != "eager":                                         # 4. patch
         patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
     stack_layers(model, plan, mesh)                                           # 4b. scan
+    if plan.attention is not None:           # 4c. plain forwards: XLA-safe sliding cache layers
+        dynamic_cache.install(model)
     model = wrapping.wrap(model, plan, mesh, opts)                                   # 5. wrap
     if plan.attention is not None:                              # 6. fixed-shape generation
         generation.attach(model, opts.generation_options)

@@ -213,13 +213,39 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
                                      t.is_buffer, tied_to=source)
     report = getattr(model, "autoxla_quantization", None)   # set by ModelQuantizer
     attention = _attention(model, config)
+    notes = report.notes() if report is not None else []
+    notes += _experts_notes(list(entries.values()), mesh)
     return Plan(model_class=type(model).__name__, strategy=strategy, mesh=mesh,
                 dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
                 tensors=list(entries.values()),
-                notes=report.notes() if report is not None else [],
+                notes=notes,
                 quantization=report.config.to_dict() if report is not None else None,
                 attention=attention,
                 stack=plan_stack(model, scan_layers) if attention is not None else None)
+
+
+def _experts_notes(tensors: list[TensorPlan], mesh: MeshShape) -> list[str]:
+    """What expert parallelism does on this mesh, for a model with experts (sharding/rules.py)."""
+    experts = [t for t in tensors if t.role == rules.EXPERTS and len(t.shape) == 3]
+    if not experts:
+        return []
+    count = experts[0].shape[0]
+    split = [t for t in experts if t.spec[0] is not None]
+    per_device = experts[0].shard_shape[0]
+    share = sum(t.bytes_per_device for t in experts)
+    line = (f"experts: {len(experts)} expert tensors of {count} experts; each device holds "
+            f"{per_device} expert(s) of every layer ({share / 2**20:.2f} MiB); ")
+    if mesh.fsdp > 1 and split:
+        line += (f"split by expert over fsdp={mesh.fsdp} (expert parallelism: tokens meet their "
+                 "experts across that axis, which also splits the batch)")
+    elif mesh.fsdp > 1:
+        line += (f"not split by expert: {count} experts do not divide fsdp={mesh.fsdp}, so each "
+                 "expert's intermediate dim is split over fsdp instead (as FSDP would)")
+    else:
+        line += "not split by expert: this mesh has no fsdp axis (strategy dp or mp)"
+    if mesh.model > 1:
+        line += f"; the hidden dim over model={mesh.model}"
+    return [line]
 
 
 def _attention(model: nn.Module, config):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .mesh import MeshShape
+from .mesh import MeshShape, format_spec
 
 # Name hints (the last component of the module path).
 COLUMN_NAMES = frozenset({
@@ -38,6 +38,7 @@ _HEAD_FIELDS = {
 COLUMN, ROW, LINEAR = "column_linear", "row_linear", "linear"
 EMBEDDING, LM_HEAD, NORM, BIAS = "vocab_embedding", "lm_head", "norm", "bias"
 CONV, BUFFER, OTHER = "conv", "buffer", "other"
+EXPERTS = "experts"
 SCALE = "quant_scale"
 # Buffers of a quantized linear that sit beside its weight (quantization/linear.py).
 QUANT_SIDECARS = frozenset({"weight_scale", "weight_zero_point", "weight_offset"})
@@ -50,6 +51,7 @@ class Rule:
     role: str
     spec: tuple
     heads: tuple | None = None  # (dim, head count) when the dim must split by whole heads
+    fallback: tuple | None = None   # the spec to use when ``spec`` would replicate a dimension
 
 
 def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embedding: nn.Module | None,
@@ -70,6 +72,12 @@ def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embeddin
             return _sidecar_rule(_linear_rule("weight", mod_name, module is output_embedding, config),
                                  module.quant_format.groups)
         return _linear_rule(leaf, mod_name, module is output_embedding, config)
+    if is_experts(module) and leaf in _EXPERT_SPECS:
+        spec = _EXPERT_SPECS[leaf][bool(module.is_transposed)]
+        # Fewer experts than fsdp devices (Mixtral's 8 on 64): FSDP's split of the other
+        # dimension instead, so no device holds every expert whole.
+        fallback = (None,) + tuple("fsdp" if a is None else a for a in spec[1:]) if rank == 3 else None
+        return Rule(EXPERTS, spec, fallback=fallback)
     if isinstance(module, nn.modules.conv._ConvNd) and leaf == "weight":
         return Rule(CONV, ("fsdp",) + (None,) * (rank - 1))
     if rank == 1 and ("norm" in type(module).__name__.lower() or "norm" in mod_name.lower()
@@ -81,6 +89,27 @@ def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embeddin
     spec = [None] * rank
     spec[max(range(rank), key=lambda d: tensor.shape[d])] = "fsdp"
     return Rule(OTHER, tuple(spec))
+
+
+# Expert parallelism: a mixture-of-experts layer's [experts, ...] tensors are split by expert over
+# fsdp, the axis that also splits the batch (GShard's layout: tokens go to their experts' devices
+# and come back across that one axis), and by the hidden dim over model, the dim activations are
+# split on there. (not transposed, transposed) specs: weights [E, out, in] / [E, in, out].
+_EXPERT_SPECS = {
+    "gate_up_proj": (("fsdp", None, "model"), ("fsdp", "model", None)),
+    "up_proj": (("fsdp", None, "model"), ("fsdp", "model", None)),
+    "down_proj": (("fsdp", "model", None), ("fsdp", None, "model")),
+    "gate_up_proj_bias": (("fsdp", None), ("fsdp", None)),
+    "up_proj_bias": (("fsdp", None), ("fsdp", None)),
+    "down_proj_bias": (("fsdp", "model"), ("fsdp", "model")),
+}
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers 5 experts module (its ``@use_experts_implementation`` decorator sets
+    these flags): one [experts, ...] parameter per projection."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and not isinstance(
+        module, nn.Linear)
 
 
 def _linear_rule(leaf: str, mod_name: str, is_head: bool, config) -> Rule:
@@ -122,8 +151,27 @@ def resolve_spec(rule: Rule, shape: tuple[int, ...], mesh: MeshShape) -> tuple[t
     """The rule's spec made legal for ``shape`` on ``mesh``, and the reasons for what it dropped.
 
     Axes of size 1 are dropped (they split nothing); a dimension that its axes do not divide, or a
-    projection whose heads they do not divide, is replicated on them and the reason is kept.
+    projection whose heads they do not divide, is replicated on them and the reason is kept. A
+    rule with a fallback takes it when its own spec replicates something the fallback splits.
     """
+    spec, reasons = _legal_spec(rule, shape, mesh)
+    if reasons and rule.fallback is not None:
+        other, other_reasons = _legal_spec(Rule(rule.role, rule.fallback), shape, mesh)
+        if _split_ways(other, mesh) > _split_ways(spec, mesh):
+            why = "; ".join(r.removeprefix("replicated on ").split(": ", 1)[-1] for r in reasons)
+            return other, [f"{why}: split as {format_spec(other)} instead"] + other_reasons
+    return spec, reasons
+
+
+def _split_ways(spec: tuple, mesh: MeshShape) -> int:
+    ways = 1
+    for axes in spec:
+        if axes is not None:
+            ways *= mesh.size(axes)
+    return ways
+
+
+def _legal_spec(rule: Rule, shape: tuple[int, ...], mesh: MeshShape) -> tuple[tuple, list[str]]:
     spec, reasons = [], []
     for dim, axes in enumerate(rule.spec):
         if axes is None:

@@ -1,0 +1,147 @@
+"""Tensors transformers 5 builds from several checkpoint tensors: fused experts.
+
+Hub checkpoints of mixture-of-experts models (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, ...)
+hold one tensor per expert (``experts.3.w1.weight``); transformers 5 keeps one ``[experts, ...]``
+parameter per projection (``experts.gate_up_proj``) and builds it at load with a
+``WeightConverter``: ``MergeModulelist(dim=0)`` stacks the experts, ``Concatenate(dim=1)`` puts
+gate before up. ``compose`` reads those converters (transformers' own mapping for the model) into
+a ``Composite``: which checkpoint tensor lands where in the target. ``Composite.host_shards``
+then assembles each device's shard directly from the pieces, reading each piece once (the C core
+reads and converts it) and copying only the part that device holds: host memory is the target's
+shards plus one piece, never the whole layer, and a host of several reads only the experts its
+devices hold.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..sharding import hosts
+from .checkpoint import TensorRecord
+
+# The converter operations whose result is a placement of whole pieces (no arithmetic).
+_SUPPORTED = {("MergeModulelist", 0), ("Concatenate", 1)}
+
+
+@dataclass(frozen=True)
+class Piece:
+    key: str                  # the checkpoint tensor
+    at: tuple[int, ...]       # where its first element lands in the target
+
+
+@dataclass(frozen=True)
+class Composite:
+    """A target tensor made of checkpoint pieces placed side by side (no overlap, no gaps)."""
+
+    target: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    def __str__(self) -> str:
+        return f"{len(self.pieces)} checkpoint tensors ({self.pieces[0].key}, ...)"
+
+    def check(self, records: dict[str, TensorRecord]) -> str:
+        """"" when the pieces tile the target exactly, else what is wrong."""
+        covered = 0
+        for p in self.pieces:
+            shape = (1,) * (len(self.shape) - len(records[p.key].shape)) + records[p.key].shape
+            if any(a + s > n for a, s, n in zip(p.at, shape, self.shape)):
+                return (f"checkpoint tensor {p.key!r} of shape {records[p.key].shape} does not fit "
+                        f"at {p.at} in {self.target} {self.shape}")
+            covered += records[p.key].nbytes // records[p.key].dtype.itemsize
+        total = 1
+        for n in self.shape:
+            total *= n
+        if covered != total:
+            return (f"the {len(self.pieces)} checkpoint tensors of {self.target} hold {covered} "
+                    f"values, the model's {self.shape} needs {total}: some experts are missing")
+        return ""
+
+    def host_shards(self, records: dict[str, TensorRecord], spec: tuple, mesh, host,
+                    dtype: torch.dtype) -> tuple[dict[int, torch.Tensor], int]:
+        """device -> its shard of the target for the devices ``host`` addresses, and the bytes
+        read. Each piece is read (and converted to ``dtype``) only if one of those shards needs
+        it, then its overlap with each shard is copied in place."""
+        from .streaming import shard_grid_tensors
+
+        grid = hosts.shard_grid(spec, mesh)
+        of_device = hosts.device_blocks(spec, mesh)
+        wanted = sorted({of_device[d] for d in host.devices})
+        boxes = {b: _block_box(self.shape, grid, b) for b in wanted}
+        blocks = {b: torch.empty([hi - lo for lo, hi in box], dtype=dtype)
+                  for b, box in boxes.items()}
+        read = 0
+        for p in self.pieces:
+            record = records[p.key]
+            shape = (1,) * (len(self.shape) - len(record.shape)) + tuple(record.shape)
+            box = [(a, a + s) for a, s in zip(p.at, shape)]
+            overlaps = [(b, _intersect(box, boxes[b])) for b in wanted]
+            overlaps = [(b, o) for b, o in overlaps if o is not None]
+            if not overlaps:
+                continue
+            value = shard_grid_tensors(record, (1,) * len(record.shape), dtype)[0].reshape(shape)
+            read += record.nbytes
+            for b, region in overlaps:
+                src = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(region, box))
+                dst = tuple(slice(lo - blo, hi - blo) for (lo, hi), (blo, _) in zip(region, boxes[b]))
+                blocks[b][dst].copy_(value[src])
+            del value
+        return {d: blocks[of_device[d]] for d in host.devices}, read
+
+
+def _block_box(shape, grid, block: int) -> list[tuple[int, int]]:
+    """[start, stop) per dim of grid block ``block`` (row-major) of a tensor of ``shape``."""
+    coords = []
+    for parts in reversed(grid):
+        coords.append(block % parts)
+        block //= parts
+    coords.reverse()
+    return [(c * (n // parts), (c + 1) * (n // parts)) for c, n, parts in zip(coords, shape, grid)]
+
+
+def _intersect(a, b):
+    out = [(max(lo1, lo2), min(hi1, hi2)) for (lo1, hi1), (lo2, hi2) in zip(a, b)]
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def compose(model, keys, converters, renamings, shapes: dict[str, tuple]) -> tuple[dict, list]:
+    """(target name -> Composite, keys whose converter AutoXLA cannot place: name the op).
+
+    ``converters`` and ``renamings`` are transformers' WeightConverter / WeightRenaming lists for
+    ``model``; ``shapes`` is the model's parameter shapes by name."""
+    from transformers.core_model_loading import apply_renamings
+
+    placed: dict[str, list[tuple[int, int, str]]] = {}
+    unsupported = []
+    for key in sorted(keys):
+        renamed = apply_renamings(key, renamings)
+        for converter in converters:
+            target, pattern = converter.rename_source_key(renamed)
+            if pattern is None:
+                continue
+            ops = tuple((type(o).__name__, getattr(o, "dim", None)) for o in converter.operations)
+            expert = _expert_index(pattern, renamed)
+            if not set(ops) <= _SUPPORTED or ops[0] != ("MergeModulelist", 0) or expert is None \
+                    or target not in shapes:
+                unsupported.append(f"{key} ({' then '.join(o for o, _ in ops)})")
+            else:
+                part = converter.source_patterns.index(pattern)
+                placed.setdefault(target, []).append((expert, part, key))
+            break
+    composites = {}
+    for target, entries in placed.items():
+        parts = max(part for _, part, _ in entries) + 1
+        rows = shapes[target][1] // parts if len(shapes[target]) > 1 else 0
+        pieces = tuple(Piece(key, (expert, part * rows) + (0,) * (len(shapes[target]) - 2))
+                       for expert, part, key in sorted(entries))
+        composites[target] = Composite(target, tuple(shapes[target]), pieces)
+    return composites, unsupported
+
+
+def _expert_index(pattern: str, key: str) -> int | None:
+    """The number ``*`` stands for in ``pattern`` (transformers' wildcard for the expert index)."""
+    regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+    found = re.search(regex, key)
+    return int(found.group(1)) if found and found.groups() else None

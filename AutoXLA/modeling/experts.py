@@ -1,0 +1,74 @@
+"""Mixture-of-experts layers with static shapes, through transformers' experts interface.
+
+transformers 5 keeps a model's experts as ``[experts, ...]`` parameters (``gate_up_proj``,
+``down_proj``, optional biases) in one module whose forward it looks up by name
+(``ExpertsInterface``, like attention). Its own forwards do not suit XLA: "eager" loops over the
+experts a batch hits (``nonzero``: data-dependent shapes, a new program per routing), "grouped_mm"
+needs a CUDA/CPU kernel, "batched_mm" gathers one weight matrix per (token, choice).
+
+``autoxla_experts`` runs every expert on every token and weights the results by the router's
+choices, a [tokens, experts] matrix that is zero outside each token's top k (GShard's dense
+dispatch). Shapes never depend on the routing, so generation keeps its 2 programs, and the result
+equals transformers' (the same sums, the unchosen experts weighted by exact zeros). The expert
+dimension is split over the mesh (sharding/rules.py, role "experts"): each device computes only
+its own experts, and XLA sums their weighted outputs across devices. The cost: each device does
+``experts / (top_k x expert shards)`` times the arithmetic of the chosen experts; for decode
+(few tokens, bound by reading the weights, which each device reads once either way) that is what
+any dispatch pays, for long prefills it is the price of exactness (docs/moe.md).
+"""
+from __future__ import annotations
+
+import torch
+
+NAME = "autoxla_experts"
+
+
+def register() -> None:
+    """Registers ``autoxla_experts`` with transformers' ExpertsInterface; idempotent."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NAME, dense_experts_forward)
+
+
+def use_for(config) -> None:
+    """Make ``config`` (and its sub-configs) ask for ``autoxla_experts``."""
+    register()
+    config._experts_implementation = NAME
+
+
+def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """hidden_states [tokens, hidden], top_k_index / top_k_weights [tokens, k] -> [tokens, hidden].
+
+    Follows the layout flags transformers' decorator sets on the experts module: ``has_gate``
+    (gate_up_proj, else up_proj), ``is_transposed`` (weights [E, in, out], gpt-oss) and
+    ``has_bias``; the gate itself is the module's ``_apply_gate`` (gpt-oss interleaves gate and
+    up and clamps), applied on the last dimension."""
+    if getattr(self, "has_post_expert_norm", False):
+        raise NotImplementedError(
+            f"{type(self).__name__} normalises each expert's output, which autoxla_experts does "
+            "not implement yet; load with scan_layers=False and experts_implementation='eager'")
+    experts = self.gate_up_proj if self.has_gate else self.up_proj
+    num_experts = experts.shape[0]
+    # routing[t, e]: the weight token t gives expert e (0 for the experts it did not choose).
+    routing = torch.zeros(hidden_states.shape[0], num_experts, dtype=top_k_weights.dtype,
+                          device=hidden_states.device)
+    routing = routing.scatter_add(1, top_k_index.long(), top_k_weights)
+    up = _experts_linear(hidden_states, experts, self.is_transposed)          # [T, E, 2I or I]
+    if self.has_bias:
+        up = up + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)
+    inner = self._apply_gate(up) if self.has_gate else self.act_fn(up)       # [T, E, I]
+    down = _experts_linear(inner, self.down_proj, self.is_transposed, per_expert=True)  # [T, E, H]
+    if self.has_bias:
+        down = down + self.down_proj_bias
+    out = torch.einsum("teh,te->th", down, routing.to(down.dtype))
+    return out.to(hidden_states.dtype)
+
+
+def _experts_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool,
+                    per_expert: bool = False) -> torch.Tensor:
+    """Every expert's linear: x [T, in] (or [T, E, in] with ``per_expert``) times weight
+    [E, out, in] ([E, in, out] when ``transposed``) -> [T, E, out]."""
+    lhs = "tei" if per_expert else "ti"
+    rhs = "eio" if transposed else "eoi"
+    return torch.einsum(f"{lhs},{rhs}->teo", x, weight)
