@@ -1,0 +1,103 @@
+"""Hub-layout mixture-of-experts checkpoints (one tensor per expert) streamed into transformers 5's
+fused expert parameters (loading/converted.py): every device's shard equals the fused tensor
+transformers itself builds, a host of several reads only its own experts, and a checkpoint that
+misses an expert is refused by name. No XLA program runs: the plan and the device layout say
+what each device holds."""
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from AutoXLA.architectures import save_checkpoint
+from AutoXLA.loading import checkpoint as ckpt
+from AutoXLA.loading import streaming
+from AutoXLA.loading.converted import compose
+from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.sharding import hosts
+from AutoXLA.sharding.hosts import Host
+from AutoXLA.sharding.mesh import AXES, mesh_shape_for
+
+DEVICES = 8
+
+
+def _mesh(strategy):
+    shape = mesh_shape_for(strategy, DEVICES)
+    return types.SimpleNamespace(axis_names=AXES, mesh_shape=shape.sizes,
+                                 device_ids=np.arange(DEVICES))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: save_checkpoint(name, root / name, seed=3) for name in ("Mixtral", "Qwen2-MoE")}
+
+
+def _composites(path, strategy):
+    from transformers import AutoModelForCausalLM
+
+    from transformers import AutoConfig
+
+    from AutoXLA.modeling.pipeline import empty_model
+
+    plan = plan_from_config(path, strategy, DEVICES, scan_layers=False)
+    checkpoint = ckpt.locate(path)
+    resolved = empty_model(AutoConfig.from_pretrained(path), AutoModelForCausalLM)
+    names, converted = ckpt.renamed_keys(resolved.model, checkpoint.records)
+    renamings, converters = ckpt.weight_conversions(resolved.model)
+    composites, unsupported = compose(resolved.model, converted, converters, renamings,
+                                      {t.name: t.shape for t in plan})
+    assert not unsupported
+    return plan, checkpoint, composites
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "2d", "3d", "mp", "dp"])
+@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
+def test_every_shard_is_transformers_fused_tensor(name, strategy, moe):
+    from transformers import AutoModelForCausalLM
+
+    plan, checkpoint, composites = _composites(moe[name], strategy)
+    reference = dict(AutoModelForCausalLM.from_pretrained(moe[name], dtype=torch.float32)
+                     .named_parameters())
+    assert {n.rsplit(".", 1)[-1] for n in composites} == {"gate_up_proj", "down_proj"}
+    mesh, host = _mesh(strategy), Host.single(DEVICES)
+    for target, composite in composites.items():
+        spec = plan[target].spec
+        shards, read = composite.host_shards(checkpoint.records, spec, mesh, host, torch.float32)
+        assert read == sum(checkpoint.records[p.key].nbytes for p in composite.pieces)
+        want = streaming.split_grid(reference[target].detach(), hosts.shard_grid(spec, mesh))
+        for device, block in enumerate(hosts.device_blocks(spec, mesh)):
+            assert torch.equal(shards[device], want[block]), f"{target} on device {device}"
+
+
+def test_a_host_reads_only_its_experts(moe):
+    plan, checkpoint, composites = _composites(moe["Mixtral"], "fsdp")
+    mesh = _mesh("fsdp")
+    for target, composite in composites.items():
+        whole = sum(checkpoint.records[p.key].nbytes for p in composite.pieces)
+        for i in range(2):
+            host = Host.simulated_host(i, 2, DEVICES)
+            shards, read = composite.host_shards(checkpoint.records, plan[target].spec, mesh, host,
+                                                 torch.float32)
+            assert set(shards) == set(host.devices)
+            assert read == whole // 2     # 8 experts over fsdp=8: 4 devices, 4 experts per host
+
+
+def test_a_missing_expert_is_refused_by_name(moe, tmp_path, xla_devices):
+    import shutil
+
+    from AutoXLA.modeling import AutoXLAModelForCausalLM
+
+    path = tmp_path / "broken"
+    shutil.copytree(moe["Mixtral"], path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    key = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    file = path / index["weight_map"].pop(key)
+    tensors = load_file(file)
+    del tensors[key]
+    save_file(tensors, file, metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ckpt.CheckpointError, match="experts are missing"):
+        AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy="2d")

@@ -1,0 +1,201 @@
+"""The coverage matrix: every architecture of AutoXLA/architectures.py, built from transformers'
+own config class with only the sizes shrunk, loaded sharded and checked against plain transformers.
+
+Each is checked under 2d (8 devices: fsdp 4 x model 2): a plain forward (transformers' default
+``use_cache``, so the dynamic cache's sliding layers run too) within the logits tolerance of
+tests/helpers.py, and 16 greedy tokens equal to transformers' own ``generate``. A subset runs
+under fsdp and 3d, and int8. docs/models.md's table comes from the same list.
+"""
+import pytest
+import torch
+
+from AutoXLA import backend
+from AutoXLA.architectures import ARCHITECTURES, BY_NAME, save_checkpoint
+from AutoXLA.modeling import AutoXLAModelForCausalLM
+from AutoXLA.quantization import QuantizationConfig
+from tests.helpers import assert_close, quiet
+
+NEW_TOKENS = 16
+# Two rows, no padding: generate's reference is transformers' generate on the same rows.
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+                    [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """architecture name -> its checkpoint directory (saved once, on first use)."""
+    root = tmp_path_factory.mktemp("architectures")
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = save_checkpoint(name, root / name.replace(" ", "_"), seed=len(made))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def expected(zoo):
+    """architecture name -> (transformers' logits, its 16 greedy tokens), fp32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            ref = AutoModelForCausalLM.from_pretrained(zoo(name), dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+            with torch.no_grad():
+                logits = ref(IDS).logits
+                tokens = quiet(ref.generate, IDS, attention_mask=torch.ones_like(IDS),
+                               max_new_tokens=NEW_TOKENS, do_sample=False)
+            cache[name] = (logits, tokens)
+        return cache[name]
+
+    return get
+
+
+def _check(model, name, expected):
+    logits, tokens = expected(name)
+    dev = backend.device()
+    with torch.no_grad():
+        got = model(IDS.to(dev)).logits.cpu()
+    assert_close(got, logits, what=f"{name} logits")
+    generated = quiet(model.generate, IDS.to(dev), attention_mask=torch.ones_like(IDS).to(dev),
+                      max_new_tokens=NEW_TOKENS, do_sample=False).cpu()
+    assert torch.equal(generated, tokens), f"{name}: {generated[:, -NEW_TOKENS:]} vs {tokens[:, -NEW_TOKENS:]}"
+
+
+@pytest.mark.parametrize("name", [a.name for a in ARCHITECTURES])
+def test_architecture_under_2d(name, zoo, expected, xla_devices):
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy="2d")
+    _check(model, name, expected)
+    if BY_NAME[name].moe:       # the plan says how the experts are split
+        assert any(n.startswith("experts:") for n in model.autoxla_plan.notes)
+
+
+SUBSET = [a.name for a in ARCHITECTURES if a.subset]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "3d"])
+@pytest.mark.parametrize("name", SUBSET)
+def test_architecture_under_other_strategies(name, strategy, zoo, expected, xla_devices):
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy=strategy)
+    _check(model, name, expected)
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_architecture_int8(name, zoo, xla_devices):
+    # The reference is transformers with every weight AutoXLA quantizes replaced by its int8
+    # round trip from tests/reference_quant.py (the C core's arithmetic in plain torch): routing
+    # decisions of mixture-of-experts layers then match too, so the logits agree to float
+    # tolerance, not just to a quantization SQNR (a router's top-k flip on a near tie moves
+    # Mixtral's logits by ~18 dB SQNR).
+    from AutoXLA.quantization.linear import QuantizedLinear
+    from tests.reference_quant import dequantize_reference, quantize_reference
+
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy="2d",
+                  do_quant=True, quantization_config=QuantizationConfig(bits=8))
+    ref = _reference(zoo(name))
+    quantized = {n: m.quant_format for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert quantized
+    with torch.no_grad():
+        for n, fmt in quantized.items():
+            assert not (fmt.search or fmt.offset or fmt.ragged)
+            linear = ref.get_submodule(n)
+            q, scale, zp = quantize_reference(linear.weight, fmt.bits, fmt.symmetric,
+                                              fmt.block_size, fmt.torch_scale_dtype)
+            linear.weight.copy_(dequantize_reference(q, scale, zp, fmt.bits, fmt.in_features,
+                                                     fmt.block_size))
+        want = ref(IDS).logits
+        got = model(IDS.to(backend.device())).logits.cpu()
+    assert_close(got, want, what=f"{name} int8 logits")
+
+
+# -- regressions at real defaults (issue 25) -------------------------------------------------
+
+def _reference(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name,length", [("Mistral", 12), ("gpt-oss", 12), ("gpt-oss", 160)])
+def test_sliding_window_forward_at_any_length(name, length, zoo, xla_devices):
+    # Mistral's 4096-token window and gpt-oss's 128 on every other layer: sequences shorter and
+    # longer than the window, scanned and unrolled (torch_xla refused the dynamic cache's
+    # window slice before the sequence filled the window).
+    ids = torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        want = _reference(zoo(name))(ids).logits
+    for scan in (True, False):
+        model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy="2d",
+                      scan_layers=scan)
+        with torch.no_grad():
+            got = model(ids.to(backend.device())).logits.cpu()
+        assert_close(got, want, what=f"{name} at {length} tokens, scan_layers={scan}")
+
+
+def test_a_dynamic_cache_the_caller_passes_decodes_on(zoo, xla_devices):
+    # A caller's own DynamicCache (sliding layers included) across two calls: prompt, then one
+    # token at a time, as transformers' users write a decode loop.
+    from transformers.cache_utils import DynamicCache
+
+    ids = IDS[:1]
+    with torch.no_grad():
+        want = _reference(zoo("Mistral"))(ids).logits
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Mistral"), sharding_strategy="2d")
+    cache, dev, got = DynamicCache(config=model.config), backend.device(), []
+    with torch.no_grad():
+        got.append(model(ids[:, :8].to(dev), cache=cache).logits.cpu())
+        for t in range(8, ids.shape[1]):
+            got.append(model(ids[:, t:t + 1].to(dev), cache=cache).logits.cpu())
+    assert_close(torch.cat(got, dim=1), want, what="prompt then decode with the caller's cache")
+
+
+@pytest.mark.parametrize("name", ["GPT-2", "GPT-NeoX"])
+def test_the_cache_of_a_scanned_forward_is_transformers(name, zoo, xla_devices):
+    # GPT-2 hands its layers the cache positionally, GPT-NeoX as ``layer_past``: the scanned stack
+    # once let the cache object into its loop, and reading what it kept killed the process.
+    with torch.no_grad():
+        want = _reference(zoo(name))(IDS, use_cache=True).past_key_values
+        model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy="2d")
+        got = model(IDS.to(backend.device()), use_cache=True).past_key_values
+    assert model.autoxla_plan.stack.scanned
+    for i, (a, b) in enumerate(zip(got.layers, want.layers)):
+        assert_close(a.keys.cpu(), b.keys, what=f"{name} layer {i} keys")
+        assert_close(a.values.cpu(), b.values, what=f"{name} layer {i} values")
+
+
+def test_falcon_is_unrolled_at_load_with_the_reason(zoo, xla_devices):
+    # Falcon's model code takes ``outputs[0]`` of each layer: a loop carrying one tensor cannot
+    # express that, which the plan now finds at load (not at the first forward).
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Falcon"), sharding_strategy="2d")
+    stack = model.autoxla_plan.stack
+    assert not stack.scanned and "changes the hidden states" in stack.reason
+
+
+# -- mixture of experts under expert parallelism --------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["dp", "mp"])
+def test_mixtral_under_the_remaining_strategies(strategy, zoo, expected, xla_devices):
+    # With 2d, fsdp and 3d above: every strategy equals transformers.
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Mixtral"), sharding_strategy=strategy)
+    _check(model, "Mixtral", expected)
+
+
+def test_experts_are_sharded_as_planned_and_generation_compiles_twice(zoo, xla_devices):
+    from tests.helpers import check_sharding_matches_plan
+
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Mixtral"), sharding_strategy="2d")
+    plan = model.autoxla_plan
+    experts = [t for t in plan if t.role == "experts"]
+    assert experts and all(t.spec[0] == "fsdp" and t.shard_shape[0] == 2 for t in experts)
+    check_sharding_matches_plan(model, plan, model.autoxla_mesh)
+    dev = backend.device()
+    before = backend.compile_count()
+    quiet(model.generate, IDS.to(dev), attention_mask=torch.ones_like(IDS).to(dev),
+          max_new_tokens=64, do_sample=False, eos_token_id=None)
+    assert backend.compile_count() - before == 2     # prefill and decode, for any length
