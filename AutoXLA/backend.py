@@ -271,6 +271,18 @@ def wait_for_transfers() -> None:
     torch_xla._XLAC._xla_wait_device_ops(devices=[])
 
 
+def constrain(t: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """``t`` (an activation inside a model's forward) annotated with ``spec`` over the global
+    mesh, its gradient too; unchanged off XLA or without a global mesh."""
+    if t.device.type != "xla":
+        return t
+    _, _, xs = _xla()
+    mesh = xs.get_global_mesh()
+    if mesh is None:
+        return t
+    return xs.mark_sharding_with_gradients(t, mesh, tuple(spec))
+
+
 def mark_sharding(t: torch.Tensor, mesh, spec: tuple, with_gradients: bool = False):
     _, _, xs = _xla()
     if with_gradients:

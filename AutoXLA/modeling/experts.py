@@ -19,6 +19,10 @@ any dispatch pays, for long prefills it is the price of exactness (docs/moe.md).
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+from .. import backend
+from ..sharding import rules
 
 NAME = "autoxla_experts"
 
@@ -34,6 +38,18 @@ def use_for(config) -> None:
     """Make ``config`` (and its sub-configs) ask for ``autoxla_experts``."""
     register()
     config._experts_implementation = NAME
+
+
+def place(model: nn.Module, plan) -> None:
+    """Tell each experts module the plan split by expert over fsdp to keep its intermediates
+    split that way (``autoxla_dispatch_spec``)."""
+    for name, module in model.named_modules():
+        if not rules.is_experts(module):
+            continue
+        leaf = "gate_up_proj" if module.has_gate else "up_proj"
+        entry = f"{name}.{leaf}"
+        if entry in plan and plan[entry].spec[0] == "fsdp":
+            module.autoxla_dispatch_spec = (None, "fsdp", None)
 
 
 def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -54,13 +70,21 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     routing = torch.zeros(hidden_states.shape[0], num_experts, dtype=top_k_weights.dtype,
                           device=hidden_states.device)
     routing = routing.scatter_add(1, top_k_index.long(), top_k_weights)
+    # Expert parallelism (the plan's choice, set by ``place``): the [tokens, experts, ...]
+    # intermediates stay split by expert, so the tokens travel to the experts rather than
+    # the experts' weights to the tokens (which XLA chose for the backward when left alone).
+    split = getattr(self, "autoxla_dispatch_spec", None)
     up = _experts_linear(hidden_states, experts, self.is_transposed)          # [T, E, 2I or I]
     if self.has_bias:
         up = up + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)
+    if split:
+        up = backend.constrain(up, split)
     inner = self._apply_gate(up) if self.has_gate else self.act_fn(up)       # [T, E, I]
     down = _experts_linear(inner, self.down_proj, self.is_transposed, per_expert=True)  # [T, E, H]
     if self.has_bias:
         down = down + self.down_proj_bias
+    if split:
+        down = backend.constrain(down, split)
     out = torch.einsum("teh,te->th", down, routing.to(down.dtype))
     return out.to(hidden_states.dtype)
 

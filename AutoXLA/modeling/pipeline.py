@@ -562,6 +562,7 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
 def _finish(model: nn.Module, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
     if opts.attn_implementation != "eager":                                         # 4. patch
         patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
+    experts.place(model, plan)             # 4. mixture-of-experts layers: the plan's split
     stack_layers(model, plan, mesh)                                           # 4b. scan
     if plan.attention is not None:           # 4c. plain forwards: XLA-safe sliding cache layers
         dynamic_cache.install(model)
