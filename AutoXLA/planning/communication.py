@@ -19,6 +19,10 @@ The rules (docs/planning.md, "Communication per step"):
 - an embedding split by vocabulary looks up locally and all-reduces [tokens, hidden], the token
   ids first gathered over the batch axes that also split the vocabulary (what XLA's partitioner
   does for a gather from a split table);
+- experts split by expert over fsdp (expert parallelism) are never gathered: the tokens are,
+  all-gathered over fsdp into each MoE layer and its combined output reduce-scattered back
+  (the reverse in backward); their gradients need only the data axis. Experts that do not divide
+  fsdp are split like FSDP and follow its rules;
 - the loss: its mean over the split batch, one scalar all-reduce (in train mode; measured);
   over a vocabulary split on model, 3 all-reduces of [tokens] (max, sum of exp, the label's
   logit); a decode step gathers the logits [batch, vocab] over model to pick the next token.
@@ -139,6 +143,12 @@ def communication(plan, *, batch: int, seq: int = 1, train: bool = True) -> Comm
         layer = _layer(t.name)
         fsdp_dim = _dim_on(t, "fsdp") if mesh.fsdp > 1 else None
         gathered = _restore(t.shard_shape, fsdp_dim, mesh.fsdp)
+        if t.role == rules.EXPERTS and fsdp_dim == 0:     # expert parallel: tokens move instead
+            _expert_parallel(t, mesh, tokens, act, train, layer, add, _hidden(params))
+            if train and mesh.data > 1:
+                add(CommOp("all-reduce", f"gradient {t.name}", "gradient", t.dtype, t.shard_shape,
+                           ("data",), mesh.data, layer))
+            continue
         if t.role == rules.EMBEDDING:
             _embedding(t, mesh, tokens, act, layer, add)
         elif fsdp_dim is not None:
@@ -161,6 +171,25 @@ def communication(plan, *, batch: int, seq: int = 1, train: bool = True) -> Comm
         add(CommOp("all-reduce", "loss: the mean over the batch", "forward", "float32", (),
                    BATCH_AXES, dsize, None))
     return report
+
+
+def _expert_parallel(t, mesh, tokens, act, train, layer, add, hidden: int):
+    """Once per MoE layer (at its gate/up experts): the layer's tokens [tokens, hidden] gathered
+    over fsdp to meet the experts each device holds, their weighted outputs summed back to each
+    device's tokens; backward does the same to the output's and the input's gradients. The
+    hidden dim is split over model as the activations are."""
+    if not t.name.endswith(("gate_up_proj", ".up_proj")):
+        return
+    payload = (tokens * mesh.fsdp, hidden // mesh.model if hidden % mesh.model == 0 else hidden)
+    add(CommOp("all-gather", f"tokens to the experts of {t.name}", "forward", act, payload,
+               ("fsdp",), mesh.fsdp, layer))
+    add(CommOp("reduce-scatter", f"expert outputs of {t.name}", "forward", act, payload,
+               ("fsdp",), mesh.fsdp, layer))
+    if train:
+        add(CommOp("all-gather", f"output gradient to the experts of {t.name}", "backward", act,
+                   payload, ("fsdp",), mesh.fsdp, layer))
+        add(CommOp("reduce-scatter", f"input gradient from the experts of {t.name}", "backward",
+                   act, payload, ("fsdp",), mesh.fsdp, layer))
 
 
 def _tensor_parallel(params, mesh, tokens, act, train, add):
@@ -203,6 +232,11 @@ def _embedding(t, mesh, tokens, act, layer, add):
                    shared, mesh.size(shared), layer))
     add(CommOp("all-reduce", f"lookup in {t.name}", "forward", act, (n_tokens, t.shard_shape[1]),
                axes, mesh.size(axes), layer))
+
+
+def _hidden(params) -> int:
+    """The model's hidden size: its input embedding's width."""
+    return next(t.shape[1] for t in params if t.role == rules.EMBEDDING)
 
 
 def _local_tokens(mesh, batch, seq, notes) -> int:

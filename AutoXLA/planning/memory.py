@@ -204,6 +204,16 @@ class LayerShape:
     vocab: int
     experts_per_token: int = 1
     qk_norm: bool = False
+    experts: int = 0              # routed experts of a mixture-of-experts layer (0: a dense MLP)
+    expert_intermediate: int = 0  # one expert's intermediate size
+
+    def mlp_width(self, model: int = 1) -> float:
+        """Intermediate values per token of one layer's MLP on a device. A mixture of experts
+        runs every expert on every token (modeling/experts.py, dense dispatch): all of them count,
+        whatever top-k the router picks; a dense MLP splits its intermediate over model."""
+        if self.experts:
+            return self.experts * self.expert_intermediate
+        return self.intermediate / (model if self.intermediate % model == 0 else 1)
 
     @classmethod
     def from_config(cls, config) -> LayerShape:
@@ -214,7 +224,11 @@ class LayerShape:
         if missing:
             raise ValueError(f"{type(c).__name__} has no {', '.join(missing)}: AutoXLA forecasts "
                              "activations of decoder language models only")
+        experts = next((getattr(c, f) for f in ("num_local_experts", "num_experts",
+                                                 "n_routed_experts") if getattr(c, f, None)), 0)
         return cls(hidden=c.hidden_size, intermediate=c.intermediate_size, heads=heads,
+                   experts=experts,
+                   expert_intermediate=getattr(c, "moe_intermediate_size", None) or c.intermediate_size,
                    kv_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
                    vocab=c.vocab_size, experts_per_token=getattr(c, "num_experts_per_tok", None) or 1,
@@ -229,7 +243,7 @@ def layer_saved_bytes_per_token(s: LayerShape, e: int, model: int = 1) -> float:
     q = s.heads * s.head_dim / (model if s.heads % model == 0 else 1)
     kv = s.kv_heads * s.head_dim / (model if s.kv_heads % model == 0 else 1)
     nq = s.heads / (model if s.heads % model == 0 else 1)
-    inter = s.experts_per_token * s.intermediate / (model if s.intermediate % model == 0 else 1)
+    inter = s.mlp_width(model)
     norms = 2 * (4 * s.hidden + 4 + 2 * e * s.hidden)
     attention = e * (2 * q + 2 * kv) + 4 * nq
     if s.qk_norm:     # fp32 copy, rsqrt and normalised q and k per head
@@ -246,6 +260,16 @@ def _note_unsplit_batch(f, plan, batch, shards):
     if shards == 1 and want > 1:
         f.notes.append(f"batch {batch} does not divide data*fsdp = {want}: every device holds "
                        f"the whole batch's activations; a multiple of {want} splits them")
+
+
+def _note_experts(f, shape: LayerShape) -> None:
+    if shape.experts:
+        f.notes.append(
+            f"mixture of experts: every token runs through all {shape.experts} experts (static "
+            f"shapes, docs/models.md), so activations count {shape.experts} x "
+            f"{shape.expert_intermediate} intermediate values per token, "
+            f"{shape.experts / shape.experts_per_token:.0f}x what its top-{shape.experts_per_token} "
+            "routing would need")
 
 
 def _act_dtype(plan) -> tuple[str, int]:
@@ -275,6 +299,7 @@ def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
                        "forecast (only its parameters, gradients and optimizer states)")
         return f
     shape = LayerShape.from_config(config)
+    _note_experts(f, shape)
     dtype, e = _act_dtype(plan)
     layers = plan.attention[0]
     shards = _batch_shards(plan, setup.batch)
@@ -314,11 +339,12 @@ def inference_forecast(plan, config, setup: InferenceSetup) -> Forecast:
     shards, m = _batch_shards(plan, setup.batch), plan.mesh.model
     f = Forecast("infer", lines)
     _note_unsplit_batch(f, plan, setup.batch, shards)
+    _note_experts(f, shape)
 
     def live(tokens):   # one layer at a time (no autograd): residual + normed + the larger part
         q = shape.heads * shape.head_dim / (m if shape.heads % m == 0 else 1)
         kvd = shape.kv_heads * shape.head_dim / (m if shape.kv_heads % m == 0 else 1)
-        inter = shape.experts_per_token * shape.intermediate / (m if shape.intermediate % m == 0 else 1)
+        inter = shape.mlp_width(m)
         return tokens / shards * e * (2 * shape.hidden + max(2 * q + 2 * kvd, 3 * inter))
 
     prefill, decode = live(setup.batch * setup.max_len), live(setup.batch)
