@@ -82,24 +82,26 @@ ARCHITECTURES = [
     Architecture("Qwen3", "Qwen3Config"),
     Architecture("Qwen3-MoE", "Qwen3MoeConfig", moe=True),
     Architecture("Gemma", "GemmaConfig"),
-    Architecture("Gemma 2", "Gemma2Config", subset=True, note="logit soft-caps, sliding/global pairs"),
-    # 6 layers: Gemma 3's pattern is 5 sliding layers and a global one.
-    Architecture("Gemma 3", "Gemma3TextConfig", dict(num_hidden_layers=6)),
+    # Layered models get two periods of their layer pattern, so the scanned stack runs it.
+    Architecture("Gemma 2", "Gemma2Config", dict(num_hidden_layers=4), subset=True,
+                 note="logit soft-caps, sliding/global pairs"),
+    # Gemma 3's pattern is 5 sliding layers and a global one.
+    Architecture("Gemma 3", "Gemma3TextConfig", dict(num_hidden_layers=12)),
     Architecture("Phi", "PhiConfig", note="partial rotary, parallel attention and MLP"),
     Architecture("Phi-3", "Phi3Config", note="fused qkv and gate/up projections"),
     Architecture("OLMo 2", "Olmo2Config"),
     Architecture("OLMoE", "OlmoeConfig", moe=True),
     Architecture("Granite", "GraniteConfig"),
     Architecture("Cohere", "CohereConfig"),
-    # 4 layers: Cohere 2's pattern is 3 sliding layers and a global one.
-    Architecture("Cohere 2", "Cohere2Config", dict(num_hidden_layers=4)),
+    # Cohere 2's pattern is 3 sliding layers and a global one.
+    Architecture("Cohere 2", "Cohere2Config", dict(num_hidden_layers=8)),
     Architecture("StableLM", "StableLmConfig"),
     Architecture("GPT-2", "GPT2Config", note="Conv1D layers, learned positions"),
     Architecture("GPT-NeoX", "GPTNeoXConfig"),
     Architecture("Falcon", "FalconConfig", dict(new_decoder_architecture=True),
                  note="the new decoder architecture (Falcon-40B, 180B)"),
     Architecture("SmolLM3", "SmolLM3Config"),
-    Architecture("gpt-oss", "GptOssConfig", moe=True,
+    Architecture("gpt-oss", "GptOssConfig", dict(num_hidden_layers=4), moe=True,
                  note="expert biases, attention sinks, alternating 128-token windows"),
     # 3 layers: DeepSeek-V3's first layers are dense (first_k_dense_replace), the rest MoE.
     Architecture("DeepSeek-V3", "DeepseekV3Config", dict(num_hidden_layers=3, first_k_dense_replace=1,
@@ -135,14 +137,29 @@ def save_checkpoint(arch: Architecture | str, directory: str | os.PathLike, *, s
 
 
 def markdown_table() -> str:
-    """docs/models.md's table of architectures (regenerate with ``python -m AutoXLA.architectures``)."""
-    rows = ["| architecture | config class | mixture of experts | checked under | notes |",
-            "|---|---|---|---|---|"]
+    """docs/models.md's table of architectures (regenerate with ``python -m AutoXLA.architectures``).
+    The decoder stack column is the plan's decision for the shrunk model (modeling/scan.py)."""
+    rows = ["| architecture | config class | mixture of experts | checked under | decoder stack | notes |",
+            "|---|---|---|---|---|---|"]
     for a in ARCHITECTURES:
         under = "2d, fsdp, 3d, int8" if a.subset else "2d"
+        if a.name == "Mixtral":
+            under = "every strategy, int8, a training step"
         rows.append(f"| {a.name} | `{a.config_class}` | {'yes' if a.moe else ''} | {under} | "
-                    f"{a.note} |")
+                    f"{_stack(a)} | {a.note} |")
     return "\n".join(rows)
+
+
+def _stack(arch: Architecture) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from .modeling.pipeline import empty_model
+    from .sharding.decoder_stack import plan_stack
+
+    plan = plan_stack(empty_model(arch.config(), AutoModelForCausalLM).model)
+    if plan.scanned:
+        return "scanned" if plan.group == 1 else f"scanned by {plan.group} layers"
+    return "unrolled: " + plan.reason.split(" (")[0].split(":")[0]
 
 
 if __name__ == "__main__":

@@ -166,13 +166,16 @@ def gathered_weights(plan, train: bool) -> Line | None:
     Alive at once: a scanned stack's loop gathers one layer per iteration, so the largest group
     (a decoder layer, or a tensor outside the stack such as lm_head); an unrolled stack lets XLA
     schedule every gather early, so all of them (what XLA:CPU did, measured). Training adds the
-    largest group's gradient at its gathered size, alive until its reduce-scatter."""
+    largest group's gradient at its gathered size, alive until its reduce-scatter. Experts split
+    by expert are never gathered (the tokens travel to them, docs/models.md)."""
     fsdp = plan.mesh.fsdp
     if fsdp == 1:
         return None
     groups: dict[str, int] = {}
     for t in plan.tensors:
         if t.tied_to or t.is_buffer or t.role == rules.EMBEDDING or not _uses(t.spec, "fsdp"):
+            continue
+        if t.role == rules.EXPERTS and _uses(t.spec[:1], "fsdp"):   # split by expert: stays
             continue
         m = _LAYER.search(t.name)
         key = f"layer {m.group(1)}" if m else t.name

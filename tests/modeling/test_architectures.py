@@ -226,3 +226,13 @@ def test_mixtral_trains_like_transformers(zoo, xla_devices):
             # largest entry covers fp32 reordering (observed ~1e-6), a misplaced shard is O(1).
             assert_close(grads[i], expected, atol=1e-4 * expected.abs().max().item(),
                          what=f"layer {i} {leaf} gradient")
+
+
+def test_the_docs_table_is_the_list():
+    # docs/models.md's table is generated from the same list (python -m AutoXLA.architectures).
+    from pathlib import Path
+
+    from AutoXLA.architectures import markdown_table
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    assert markdown_table() in text, "docs/models.md is stale: ./run python -m AutoXLA.architectures"

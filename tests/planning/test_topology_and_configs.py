@@ -38,6 +38,8 @@ EXPECTED = {   # (hidden, layers, heads, kv heads) of the decoder models, from t
     "mistralai/Mistral-7B-v0.1": (4096, 32, 32, 8), "mistralai/Mixtral-8x7B-v0.1": (4096, 32, 32, 8),
     "google/gemma-2-9b": (3584, 42, 16, 8), "google/gemma-2-27b": (4608, 46, 32, 16),
     "Qwen/Qwen3-8B": (4096, 36, 32, 8), "Qwen/Qwen3-32B": (5120, 64, 64, 8),
+    "Qwen/Qwen3-30B-A3B": (2048, 48, 32, 4), "Qwen/Qwen3-235B-A22B": (4096, 94, 64, 4),
+    "deepseek-ai/DeepSeek-V3": (7168, 61, 128, 128), "openai/gpt-oss-120b": (2880, 36, 64, 8),
 }
 
 
@@ -90,3 +92,38 @@ def test_plan_every_shipped_config_offline_without_torch_xla_in_under_2s():
     assert len(times) == len(shipped_ids())
     slow = [(float(t), what) for t, what in times if float(t) >= 2.0]
     assert not slow, slow
+
+
+# (hub id, experts, experts each device holds on fsdp=64): split by expert where they divide 64.
+_MOE = [("Qwen/Qwen3-30B-A3B", 128, 2), ("deepseek-ai/DeepSeek-V3", 256, 4),
+        ("openai/gpt-oss-120b", 128, 2), ("mistralai/Mixtral-8x7B-v0.1", 8, 8)]
+
+
+@pytest.mark.parametrize("hub_id,experts,per_device", _MOE)
+def test_mixture_of_experts_forecast_offline(hub_id, experts, per_device):
+    from AutoXLA.planning.communication import communication
+    from AutoXLA.planning.from_config import plan_from_config
+    import dataclasses
+
+    from AutoXLA.modeling.empty import load_config
+    from AutoXLA.planning.memory import InferenceSetup, gathered_weights, inference_forecast
+
+    path = shipped_config_dir(hub_id)
+    plan = plan_from_config(path, "fsdp", 64)
+    tensors = [t for t in plan if t.role == "experts" and len(t.shape) == 3]
+    assert tensors and all(t.shape[0] == experts for t in tensors)
+    assert all(t.shard_shape[0] == per_device for t in tensors)
+    if per_device == experts:      # Mixtral's 8 on 64: each expert split like FSDP instead
+        assert all(t.spec[0] is None and "fsdp" in t.spec for t in tensors)
+    # Each device's expert bytes are its share: the whole / 64.
+    assert sum(t.bytes_per_device for t in tensors) * 64 == sum(t.nbytes for t in tensors)
+    forecast = inference_forecast(plan, load_config(path), InferenceSetup(batch=64, max_len=2048))
+    gathered = next(x for x in forecast.lines if x.name == "gathered weights")
+    if per_device < experts:       # experts split by expert are not gathered: the same without them
+        without = dataclasses.replace(plan, tensors=[t for t in plan if t.role != "experts"])
+        assert gathered_weights(without, train=False).bytes_per_device == gathered.bytes_per_device
+        report = communication(plan, batch=64, train=False)
+        moving = [op for op in report.ops if "to the experts" in op.what]
+        assert moving and all(op.axes == ("fsdp",) for op in moving)
+        assert not any(op.what.startswith("weight") and ".experts." in op.what for op in report.ops)
+    assert any("every token runs through all" in n for n in forecast.notes)
