@@ -121,19 +121,11 @@ def save_checkpoint(arch: Architecture | str, directory: str | os.PathLike, *, s
     several shards (mixture-of-experts models in their hub layout: one tensor per expert)."""
     from transformers import AutoModelForCausalLM
 
+    from .tiny import save_random
+
     arch = BY_NAME[arch] if isinstance(arch, str) else arch
-    config = arch.config(**overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # transformers' init is small (std 0.02): widen it so that logits differ across tokens and a
-    # wrong shard shows (as AutoXLA/tiny.py does).
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    directory = Path(directory)
-    model.save_pretrained(directory, max_shard_size=max_shard_size)
-    return directory
+    return save_random(AutoModelForCausalLM, arch.config(**overrides), directory, seed=seed,
+                       dtype=dtype, max_shard_size=max_shard_size)
 
 
 def markdown_table() -> str:

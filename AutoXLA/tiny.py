@@ -75,13 +75,19 @@ def save_tiny_checkpoint(family: str, directory: str | os.PathLike, *, seed: int
     """Builds the family's tiny model with random weights and saves it (sharded) to ``directory``."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(family, **overrides)
+    return save_random(AutoModelForCausalLM, tiny_config(family, **overrides), directory,
+                       seed=seed, dtype=dtype, max_shard_size=max_shard_size)
+
+
+def save_random(auto_class, config, directory: str | os.PathLike, *, seed: int = 0,
+                dtype: torch.dtype = torch.float32, max_shard_size: str | int = "64KB") -> Path:
+    """``auto_class``'s model of ``config`` with random weights, saved by ``save_pretrained``
+    (several shards and an index) to ``directory``. transformers' init is small (std 0.02): the
+    matrices are widened to std 0.2 so that logits differ across tokens and a wrong shard shows."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # Random init in transformers is small (std 0.02); widen it so logits differ across tokens and
-    # a wrong shard would show.
+    model = auto_class.from_config(config, dtype=dtype)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.2)
     directory = Path(directory)
@@ -133,13 +139,5 @@ def save_tiny_image_text_checkpoint(family: str, directory: str | os.PathLike, *
     save_tiny_checkpoint) and saves it (sharded) to ``directory``."""
     from transformers import AutoModelForImageTextToText
 
-    config = tiny_image_text_config(family, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    directory = Path(directory)
-    model.save_pretrained(directory, max_shard_size=max_shard_size)
-    return directory
+    return save_random(AutoModelForImageTextToText, tiny_image_text_config(family, **overrides),
+                       directory, seed=seed, dtype=dtype, max_shard_size=max_shard_size)

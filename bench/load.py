@@ -66,14 +66,14 @@ def make_checkpoint(directory: Path, size_gb: float) -> dict:
     return {"model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes)}
 
 
-def _child(path: str, mode: str) -> None:
-    """Runs in a fresh process: load one way, print a JSON line with the measurements."""
-    sys.path.insert(0, str(ROOT))
+def measured_load(load) -> tuple:
+    """Runs ``load()`` on 8 XLA:CPU devices (SPMD), with the runtime already up: (the model, a
+    dict of seconds, rss_before, peak, rss_after). rss_after is taken after malloc_trim, so freed
+    heap is not counted as kept (without it a dropped CPU copy of the model would hide)."""
     from AutoXLA import backend
 
     backend.use_cpu_devices(8)
     backend.ensure_spmd()
-    import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -82,34 +82,50 @@ def _child(path: str, mode: str) -> None:
     before = _status("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
-    if mode == "autoxla":
-        from AutoXLA.modeling import AutoXLAModelForCausalLM
-
-        model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy="fsdp")
-    else:
-        from transformers import AutoModelForCausalLM
-
-        from AutoXLA.cli import plan_from_config
-
-        plan = plan_from_config(path, "fsdp", backend.device_count())
-        mesh = backend.make_mesh(plan.mesh)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        model = model.to(backend.device())
-        for name, p in model.named_parameters():
-            backend.mark_sharding(p, mesh, plan[name].spec)
+    model = load()
     backend.sync()
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM")
-    # Freed heap is not given back to the OS by default; without this, "after" would still count
-    # the naive path's dropped CPU copy of the model and hide it from the transient.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    after = _status("VmRSS")
+    return model, {"seconds": seconds, "rss_before": before, "peak": peak,
+                   "rss_after": _status("VmRSS")}
+
+
+def naive_load(path: str, strategy: str, scan_layers: bool = True):
+    """transformers.from_pretrained on the CPU, .to(xla), then mark_sharding per AutoXLA's plan."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from AutoXLA import backend
+    from AutoXLA.planning.from_config import plan_from_config
+
+    plan = plan_from_config(path, strategy, backend.device_count(), scan_layers=scan_layers)
+    mesh = backend.make_mesh(plan.mesh)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(backend.device())
+    for name, p in model.named_parameters():
+        backend.mark_sharding(p, mesh, plan[name].spec)
+    return model
+
+
+def _child(path: str, mode: str) -> None:
+    """Runs in a fresh process: load one way, print a JSON line with the measurements."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    def load():
+        if mode == "autoxla":
+            from AutoXLA.modeling import AutoXLAModelForCausalLM
+
+            return AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy="fsdp")
+        return naive_load(path, "fsdp")
+
+    model, m = measured_load(load)
     # A checksum of every parameter, to check both paths loaded the same weights.
     with torch.no_grad():
         checksum = sum(float(p.float().abs().sum().cpu()) for p in model.parameters())
-    print(json.dumps({"mode": mode, "seconds": seconds, "rss_before": before, "rss_after": after,
+    print(json.dumps({"mode": mode, **m,
                       "model_on_devices": sum(p.numel() * p.element_size() for p in model.parameters()),
-                      "peak": peak, "transient": peak - after, "checksum": checksum}))
+                      "transient": m["peak"] - m["rss_after"], "checksum": checksum}))
 
 
 def main() -> None:

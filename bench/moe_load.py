@@ -18,18 +18,16 @@ up then), against the goal: the loaded model (XLA:CPU keeps device buffers in ho
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.child import run_json_child  # noqa: E402
-from bench.load import _reset_peak, _status  # noqa: E402
+from bench.load import measured_load, naive_load  # noqa: E402
 
 STRATEGY = "2d"
 
@@ -58,44 +56,20 @@ def make_checkpoint(directory: Path, size_gb: float) -> dict:
 
 
 def _child(path: str, mode: str) -> None:
-    from AutoXLA import backend
-
-    backend.use_cpu_devices(8)
-    backend.ensure_spmd()
     import torch
-    import transformers
 
-    transformers.logging.set_verbosity_error()
-    backend.device()
-    backend.sync()
-    before = _status("VmRSS")
-    _reset_peak()
-    t0 = time.perf_counter()
-    if mode == "autoxla":
-        from AutoXLA.modeling import AutoXLAModelForCausalLM
+    def load():
+        if mode == "autoxla":
+            from AutoXLA.modeling import AutoXLAModelForCausalLM
 
-        model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=STRATEGY,
-                                                        scan_layers=False)
-    else:
-        from transformers import AutoModelForCausalLM
+            return AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=STRATEGY,
+                                                           scan_layers=False)
+        return naive_load(path, STRATEGY, scan_layers=False)
 
-        from AutoXLA.planning.from_config import plan_from_config
-
-        plan = plan_from_config(path, STRATEGY, backend.device_count(), scan_layers=False)
-        mesh = backend.make_mesh(plan.mesh)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        model = model.to(backend.device())
-        for name, p in model.named_parameters():
-            backend.mark_sharding(p, mesh, plan[name].spec)
-    backend.sync()
-    seconds = time.perf_counter() - t0
-    peak = _status("VmHWM")
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    after = _status("VmRSS")
+    model, m = measured_load(load)
     with torch.no_grad():
         sums = {n: float(p.float().abs().sum().cpu()) for n, p in model.named_parameters()}
-    print(json.dumps({"mode": mode, "seconds": seconds, "rss_before": before, "rss_after": after,
-                      "peak": peak, "sums": sums}))
+    print(json.dumps({"mode": mode, **m, "sums": sums}))
 
 
 def main() -> None:

@@ -40,6 +40,16 @@ def use_for(config) -> None:
     config._experts_implementation = NAME
 
 
+def check_supported(model: nn.Module) -> None:
+    """Refuse, at load, an experts module ``autoxla_experts`` cannot run, naming it and why."""
+    for name, module in model.named_modules():
+        if rules.is_experts(module) and getattr(module, "has_post_expert_norm", False):
+            raise ValueError(
+                f"{name} ({type(module).__name__}) normalises each expert's output, which "
+                "AutoXLA's static-shape experts do not implement yet; this architecture cannot be "
+                "loaded by AutoXLA (docs/models.md lists the supported ones)")
+
+
 def place(model: nn.Module, plan) -> None:
     """Tell each experts module the plan split by expert over fsdp to keep its intermediates
     split that way (``autoxla_dispatch_spec``)."""
@@ -59,11 +69,8 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     Follows the layout flags transformers' decorator sets on the experts module: ``has_gate``
     (gate_up_proj, else up_proj), ``is_transposed`` (weights [E, in, out], gpt-oss) and
     ``has_bias``; the gate itself is the module's ``_apply_gate`` (gpt-oss interleaves gate and
-    up and clamps), applied on the last dimension."""
-    if getattr(self, "has_post_expert_norm", False):
-        raise NotImplementedError(
-            f"{type(self).__name__} normalises each expert's output, which autoxla_experts does "
-            "not implement yet; load with scan_layers=False and experts_implementation='eager'")
+    up and clamps), applied on the last dimension. Modules with ``has_post_expert_norm`` are
+    refused at load (``check_supported``)."""
     experts = self.gate_up_proj if self.has_gate else self.up_proj
     num_experts = experts.shape[0]
     # routing[t, e]: the weight token t gives expert e (0 for the experts it did not choose).

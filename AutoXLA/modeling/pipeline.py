@@ -88,6 +88,7 @@ def empty_model(config, auto_class, dtype="auto", trust_remote_code: bool = Fals
     with parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.eval()
+    experts.check_supported(model)
     tied = {}
     if hasattr(model, "get_expanded_tied_weights_keys"):
         tied = model.get_expanded_tied_weights_keys(all_submodels=True)
