@@ -13,6 +13,7 @@ devices hold.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -70,8 +71,8 @@ class Composite:
         of_device = hosts.device_blocks(spec, mesh)
         wanted = sorted({of_device[d] for d in host.devices})
         boxes = {b: _block_box(self.shape, grid, b) for b in wanted}
-        blocks = {b: torch.empty([hi - lo for lo, hi in box], dtype=dtype)
-                  for b, box in boxes.items()}
+        blocks = _blocks_in_one_buffer({b: [hi - lo for lo, hi in box] for b, box in boxes.items()},
+                                       dtype)
         read = 0
         for p in self.pieces:
             record = records[p.key]
@@ -89,6 +90,20 @@ class Composite:
                 blocks[b][dst].copy_(value[src])
             del value
         return {d: blocks[of_device[d]] for d in host.devices}, read
+
+
+def _blocks_in_one_buffer(shapes: dict, dtype: torch.dtype) -> dict:
+    """Block -> an empty tensor of its shape, all views of one allocation: one large buffer is
+    mapped and unmapped whole by malloc, where a few dozen blocks of some MiB each would be
+    carved from (and kept in) its heap arenas, growing the process by a fused tensor per layer
+    (measured: bench/moe_load.py)."""
+    sizes = {b: math.prod(shape) for b, shape in shapes.items()}
+    buffer = torch.empty(sum(sizes.values()), dtype=dtype)
+    out, at = {}, 0
+    for b, shape in shapes.items():
+        out[b] = buffer[at:at + sizes[b]].view(shape)
+        at += sizes[b]
+    return out
 
 
 def _block_box(shape, grid, block: int) -> list[tuple[int, int]]:
