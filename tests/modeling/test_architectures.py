@@ -236,3 +236,17 @@ def test_the_docs_table_is_the_list():
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     assert markdown_table() in text, "docs/models.md is stale: ./run python -m AutoXLA.architectures"
+
+
+def test_a_saved_mixture_of_experts_model_loads_back(zoo, tmp_path, xla_devices):
+    # save_pretrained writes the fused experts ([experts, ...] per projection); loading that
+    # checkpoint needs no conversion and gives the same logits.
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Qwen2-MoE"), sharding_strategy="2d")
+    dev = backend.device()
+    with torch.no_grad():
+        want = model(IDS.to(dev)).logits.cpu()
+    model.save_pretrained(tmp_path / "saved")
+    again = quiet(AutoXLAModelForCausalLM.from_pretrained, tmp_path / "saved", sharding_strategy="fsdp")
+    with torch.no_grad():
+        got = again(IDS.to(dev)).logits.cpu()
+    assert_close(got, want, what="reloaded Qwen2-MoE logits")
