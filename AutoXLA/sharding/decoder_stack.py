@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import types
 from dataclasses import dataclass
 
@@ -124,7 +123,6 @@ def how_layers_are_called(model: nn.Module, path: str, n: int) -> str:
             m._buffers.update(saved)
         # What the traced forward left (~90 MiB for a 1 GB Llama) goes back before any weight is
         # read, instead of adding to the loading peak (bench/load.py).
-        gc.collect()
         backend.release_freed_host_memory()
     order = [k for k, _ in calls]
     if order and order != list(range(len(order))):
