@@ -51,11 +51,15 @@ def check_supported(model: nn.Module) -> None:
 
 
 def place(model: nn.Module, plan) -> None:
-    """Tell each experts module the plan split by expert over fsdp to keep its intermediates
-    split that way (``autoxla_dispatch_spec``)."""
+    """Give each experts module ``autoxla_experts`` (a model built by the user and passed to
+    from_model asked for another), and where the plan split its experts over fsdp, tell it to
+    keep its intermediates split that way (``autoxla_dispatch_spec``)."""
     for name, module in model.named_modules():
         if not rules.is_experts(module):
             continue
+        if getattr(module, "config", None) is not None:
+            register()
+            module.config._experts_implementation = NAME
         leaf = "gate_up_proj" if module.has_gate else "up_proj"
         entry = f"{name}.{leaf}"
         if entry in plan and plan[entry].spec[0] == "fsdp":
