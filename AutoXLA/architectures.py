@@ -150,7 +150,10 @@ def _stack(arch: Architecture) -> str:
 
     plan = plan_stack(empty_model(arch.config(), AutoModelForCausalLM).model)
     if plan.scanned:
-        return "scanned" if plan.group == 1 else f"scanned by {plan.group} layers"
+        note = "scanned" if plan.group == 1 else f"scanned by {plan.group} layers"
+        if plan.start:
+            note += f" after {plan.start} unrolled layer{'s' if plan.start > 1 else ''}"
+        return note
     return "unrolled: " + plan.reason.split(" (")[0].split(":")[0]
 
 

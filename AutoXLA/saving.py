@@ -145,10 +145,17 @@ def _unstacked(model: nn.Module, named: list) -> list:
         # FSDPv2 keeps the wrapped module as `_orig_module`: save the model's own names.
         prefix = ".".join(part for part in prefix.split(".") if part + "." != _FSDP_WRAPPED)
         stacked = f"{prefix}.stacked." if prefix else "stacked."
-        inside = [n.replace(_FSDP_WRAPPED, "").startswith(stacked) for n, _ in named]
+        # The layers before the loop (plan.start) are whole modules, their buffers listed after
+        # every parameter: they move to the stack too, so each layer's tensors stand together, in
+        # layer order (the order `autoxla quantize` writes).
+        whole = tuple(f"{prefix}.{i}." if prefix else f"{i}." for i in range(m.stack_plan.start))
+        names = [n.replace(_FSDP_WRAPPED, "") for n, _ in named]
+        inside = [n.startswith(stacked) or n.startswith(whole) for n in names]
         at = inside.index(True) if True in inside else len(named)
         rest = [item for item, skip in zip(named, inside) if not skip]
-        named = rest[:at] + list(m.per_layer_items(f"{prefix}." if prefix else "")) + rest[at:]
+        head = [item for item, n in zip(named, names) if n.startswith(whole)]
+        named = (rest[:at] + head + list(m.per_layer_items(f"{prefix}." if prefix else ""))
+                 + rest[at:])
     return named
 
 

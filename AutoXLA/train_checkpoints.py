@@ -290,7 +290,7 @@ def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
             continue
         prefix = (prefix + ".").replace(_FSDP_WRAPPED, "").rstrip(".")
         for name in m.stacked_tensors():
-            out[f"{prefix}.stacked.{name}"] = [f"{prefix}.{i}.{name}" for i in range(len(m))]
+            out[f"{prefix}.stacked.{name}"] = [f"{prefix}.{i}.{name}" for i in m.scanned_layers]
     return out
 
 

@@ -79,8 +79,8 @@ def _stacked_layers(model):
         if isinstance(m, StackedDecoderLayers):
             prefix = ".".join(part for part in prefix.split(".") if part != "_orig_module")
             for name, t in m.stacked_tensors().items():
-                for i in range(len(m)):
-                    out[f"{prefix}.{i}.{name}"] = (t, i)
+                for row, i in enumerate(m.scanned_layers):   # layers before start are not stacked
+                    out[f"{prefix}.{i}.{name}"] = (t, row)
     return out
 
 

@@ -6,6 +6,10 @@ layer's plan says, with the layer axis unsplit), and the layer modules stay as w
 that keep their attributes and hooks. A program then holds one layer (or one group of layers, for
 stacks such as Gemma 2's sliding/global pairs) inside an XLA While loop: compile time and the
 temporaries alive at once (converted or dequantized weights, activations) stop growing with depth.
+When the plan scans from layer ``start`` (DeepSeek-V3's dense first layers differ from its
+mixture-of-experts ones), layers 0..start-1 stay whole modules, run unrolled before the loop, and
+only layers start.. are stacked (``[layers - start, ...]``); layer ``i`` of the loop is row
+``i - start``, while the KV cache keeps one slot per layer, prefix included.
 
 transformers' model code is unchanged: it still loops ``for layer in self.layers[:n]``. The slice
 returns one recorder per layer; each records its call and hands the hidden states through, and
@@ -40,19 +44,21 @@ class StackedTensors(nn.Module):
 
 
 class StackedDecoderLayers(nn.Module):
-    """Stands in for the decoder ModuleList: ``len``, indexing and slicing as a list of layers."""
+    """Stands in for the decoder ModuleList: ``len``, indexing and slicing as a list of layers.
+    Its children ``0..layers-1`` are the layer modules: the prefix's (before ``plan.start``)
+    whole, the others weightless shells reading ``stacked``."""
 
-    def __init__(self, shells: list[nn.Module], stacked: StackedTensors, plan: StackPlan):
+    def __init__(self, layers: list[nn.Module], stacked: StackedTensors, plan: StackPlan):
         super().__init__()
-        for i, shell in enumerate(shells):
-            self.add_module(str(i), shell)
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)
         self.stacked = stacked
         self.stack_plan = plan
         self.output_hook = None      # set by wrap: activation sharding of each layer's output
         self.last_mode = ""          # "scanned" or "unrolled: <why>", for tests and the CLI
         # state_dict() speaks transformers' per-layer names; load_state_dict takes them back.
         self._register_state_dict_hook(_unstack_state)
-        self._register_load_state_dict_pre_hook(_restack_state)
+        self._register_load_state_dict_pre_hook(_restack_state, with_module=True)
 
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         """Every layer on ``hidden_states`` with the same keyword arguments (transformers' model
@@ -70,12 +76,22 @@ class StackedDecoderLayers(nn.Module):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return _Recorders(self, range(len(self))[index])
+            indices = range(len(self))[index]
+            # The prefix layers are whole modules: the model's code calls them itself, in front
+            # of the recorders of the scanned part.
+            k = sum(1 for i in indices if i < self.stack_plan.start) if indices.step > 0 else 0
+            return [*(self.shells[i] for i in indices[:k]), *_Recorders(self, indices[k:])]
         return self._modules[str(range(len(self))[index])]
 
     @property
     def shells(self) -> list[nn.Module]:
+        """Every layer module (the prefix's whole, the rest shells), by layer index."""
         return [self._modules[str(i)] for i in range(len(self))]
+
+    @property
+    def scanned_layers(self) -> range:
+        """The layer indices whose tensors are stacked: layer ``i`` is row ``i - start``."""
+        return range(self.stack_plan.start, len(self))
 
     def stacked_tensors(self) -> dict[str, torch.Tensor]:
         """Per-layer name (``self_attn.q_proj.weight``) -> its ``[layers, ...]`` tensor."""
@@ -87,9 +103,9 @@ class StackedDecoderLayers(nn.Module):
         """(``{prefix}{i}.{name}``, layer i's slice) for every stacked tensor: the names and
         tensors of the unstacked model, for saving and for checks against the plan."""
         stacked = self.stacked_tensors()
-        for i in range(len(self)):
+        for row, i in enumerate(self.scanned_layers):
             for name, t in stacked.items():
-                yield f"{prefix}{i}.{name}", t[i]
+                yield f"{prefix}{i}.{name}", t[row]
 
     # -- running ---------------------------------------------------------------------------
     def run(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
@@ -108,29 +124,32 @@ class StackedDecoderLayers(nn.Module):
         plan, group = self.stack_plan, self.stack_plan.group
         if not plan.scanned:
             return plan.reason
-        if indices.step != 1 or indices.start % group or len(indices) % group:
+        if (indices.step != 1 or indices.start < plan.start or (indices.start - plan.start) % group
+                or len(indices) % group):
             return f"layers {indices.start}..{indices.stop - 1} are not whole groups of {group}"
-        if _hooks_fire(self.shells):
+        if _hooks_fire(self.shells[plan.start:]):     # the prefix's hooks run as usual
             return "hooks on the decoder layers (e.g. output_hidden_states)"
         for k in range(group, len(calls)):
             if not _same_call(calls[k], calls[k % group]):
                 return f"layer {indices[k]} is called with arguments unlike layer {indices[k % group]}'s"
         cache = calls[0].cache
-        if cache is not None and not (isinstance(cache, StackedStaticCache) or _empty_dynamic(cache)):
+        if cache is not None and not (isinstance(cache, StackedStaticCache)
+                                      or _empty_dynamic(cache, indices)):
             return f"a {type(cache).__name__} that is not empty"
         if torch.is_grad_enabled():
             if isinstance(cache, StackedStaticCache):
                 return "a static cache while computing gradients"
-            if self.training and _has_dropout(self.shells[0]):
+            if self.training and _has_dropout(self.shells[indices.start]):
                 return "dropout in training (its recomputation in the backward would differ)"
         return ""
 
     def _unrolled(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
-        stacked = self.stacked_tensors()
+        stacked, start = self.stacked_tensors(), self.stack_plan.start
         hidden = calls[0].hidden
         cache = calls[0].cache
         for i, call in zip(indices, calls):
-            weights = {n: t[i] for n, t in stacked.items()}
+            # A prefix layer (only in a reversed slice) is a whole module: no weights to put in.
+            weights = {n: t[i - start] for n, t in stacked.items()} if i >= start else {}
             hidden = _call_layer(self.shells[i], weights, hidden, call.args, call.kwargs)
             if self.output_hook is not None:
                 self.output_hook(hidden)
@@ -139,9 +158,11 @@ class StackedDecoderLayers(nn.Module):
         return hidden
 
     def _scanned(self, indices: range, calls: list["_Call"], consts, rebuild) -> torch.Tensor:
-        group = self.stack_plan.group
-        stacked = {n: _steps(t, indices, group) for n, t in self.stacked_tensors().items()}
-        step = _Step(self.shells[:group], calls[0].cache_slot, rebuild, self.output_hook)
+        group, start = self.stack_plan.group, self.stack_plan.start
+        rows = range(indices.start - start, indices.stop - start)   # the cache's are `indices`
+        stacked = {n: _steps(t, rows, group) for n, t in self.stacked_tensors().items()}
+        step = _Step(self.shells[indices.start:indices.start + group], calls[0].cache_slot, rebuild,
+                     self.output_hook)
         hidden, cache = calls[0].hidden, calls[0].cache
         if torch.is_grad_enabled():      # only an empty dynamic cache gets here (_why_unrolled)
             step = replace(step, collect=cache is not None)
@@ -183,11 +204,12 @@ def _unstack_state(module, state, prefix, local_metadata):
     return state
 
 
-def _restack_state(state, prefix, local_metadata, strict, missing, unexpected, errors):
+def _restack_state(module, state, prefix, local_metadata, strict, missing, unexpected, errors):
+    # The prefix layers' names stay: those layers are whole modules and load their own.
     by_name: dict[str, dict[int, str]] = {}
     for key in list(state):
         head, _, rest = key[len(prefix):].partition(".")
-        if key.startswith(prefix) and head.isdigit():
+        if key.startswith(prefix) and head.isdigit() and int(head) in module.scanned_layers:
             by_name.setdefault(rest, {})[int(head)] = key
     for rest, keys in by_name.items():
         state[f"{prefix}stacked.{rest}"] = torch.stack([state.pop(keys[i]) for i in sorted(keys)])
@@ -355,13 +377,21 @@ class _RematScan(torch.autograd.Function):
 
 def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> StackedDecoderLayers:
     """Replace the loaded decoder ModuleList with its stacked form (one tensor name at a time, so
-    host and device memory hold at most one extra stacked tensor)."""
+    host and device memory hold at most one extra stacked tensor). Layers before
+    ``stack_plan.start`` keep their tensors: they run unrolled, as loaded."""
     path, layers = find_stack(model)
-    shells = list(layers)
+    start = stack_plan.start
+    shells = list(layers)[start:]
     stacked = StackedTensors()
     first = shells[0]
     names = [(n, True) for n, _ in first.named_parameters()]
     names += [(n, False) for n, b in first.named_buffers() if b is not None]
+    # The holders in the layer's module order, so that state_dict (and save_pretrained's shards)
+    # list each layer's tensors as the unscanned layer does (autoxla quantize writes that order):
+    # else a module with a parameter (a MoE router) would come before earlier ones holding only
+    # quantized buffers.
+    for owner_path, _ in first.named_modules():
+        _container(stacked, owner_path)
     for name, is_param in names:
         owner_path, _, leaf = name.rpartition(".")
         owners = [s.get_submodule(owner_path) if owner_path else s for s in shells]
@@ -369,7 +399,7 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
         requires_grad = tensors[0].requires_grad
         value = torch.stack([t.detach() for t in tensors])
         if value.device.type == "xla":     # the layer's planned spec, the layer axis unsplit
-            backend.mark_sharding(value, mesh, (None, *plan[f"{path}.0.{name}"].spec))
+            backend.mark_sharding(value, mesh, (None, *plan[f"{path}.{start}.{name}"].spec))
         persistent = leaf not in owners[0]._non_persistent_buffers_set
         for o in owners:
             del (o._parameters if is_param else o._buffers)[leaf]
@@ -390,12 +420,12 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
             backend.sync()
             backend.wait_for_transfers()
             backend.release_freed_host_memory()
-    for i, shell in enumerate(shells):
+    for row, shell in enumerate(shells):
         for owner_path, m in shell.named_modules():
             source = _container(stacked, owner_path)
             if source._parameters or source._buffers:
-                _read_through(m, source, i)
-    stack = StackedDecoderLayers(shells, stacked, stack_plan)
+                _read_through(m, source, row)
+    stack = StackedDecoderLayers(list(layers), stacked, stack_plan)
     parent_path, _, attr = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, attr, stack)
     return stack
@@ -507,15 +537,17 @@ def _hooks_fire(shells) -> bool:
     return bool(_active_collector.get())
 
 
-def _empty_dynamic(cache) -> bool:
-    """A DynamicCache that holds nothing yet (its layers may not even exist: one built without a
-    config adds them as they are first updated)."""
+def _empty_dynamic(cache, indices: range) -> bool:
+    """A DynamicCache that holds nothing yet for the layers ``indices`` (the prefix layers, run
+    before, have filled theirs; layers may not even exist: a cache built without a config adds
+    them as they are first updated)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     layers = getattr(cache, "layers", None)
     if layers is None or not isinstance(cache, DynamicCache):
         return False
-    return all(isinstance(layer, DynamicLayer) and not layer.is_initialized for layer in layers)
+    return all(isinstance(layers[i], DynamicLayer) and not layers[i].is_initialized
+               for i in indices if i < len(layers))
 
 
 def _has_dropout(layer: nn.Module) -> bool:

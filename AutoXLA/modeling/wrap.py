@@ -103,6 +103,13 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
     model.autoxla_mesh = mesh
     saving.attach(model)
     _shard_gradients_like_parameters(model, mesh)
+    if stack is not None:
+        # The layers before the loop (plan.start) run unrolled as whole modules: checkpointed
+        # and their outputs sharded as an unscanned model's layers, inside the stack's FSDP unit.
+        for m in stack.shells[:stack.stack_plan.start]:
+            if opts.gradient_checkpointing:
+                checkpoint_module(m)
+            m.register_forward_hook(lambda _m, _i, out: shard_output(out, mesh))
     if not opts.use_fsdp_wrap:
         if stack is None:      # a scanned stack checkpoints and shards each layer itself
             if opts.gradient_checkpointing:

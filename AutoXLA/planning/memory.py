@@ -165,7 +165,8 @@ def gathered_weights(plan, train: bool) -> Line | None:
 
     Alive at once: a scanned stack's loop gathers one layer per iteration, so the largest group
     (a decoder layer, or a tensor outside the stack such as lm_head); an unrolled stack lets XLA
-    schedule every gather early, so all of them (what XLA:CPU did, measured). Training adds the
+    schedule every gather early, so all of them (what XLA:CPU did, measured), and so do the
+    unrolled layers in front of a loop (``plan.stack.start``). Training adds the
     largest group's gradient at its gathered size, alive until its reduce-scatter. Experts split
     by expert are never gathered (the tokens travel to them, docs/models.md)."""
     fsdp = plan.mesh.fsdp
@@ -184,9 +185,15 @@ def gathered_weights(plan, train: bool) -> Line | None:
         return None
     largest = max(groups.values())
     scanned = plan.stack is not None and plan.stack.scanned
-    alive = largest if scanned else sum(groups.values())
+    alive = sum(groups.values())
+    if scanned:
+        prefix = {f"layer {i}" for i in range(plan.stack.start)}
+        alive = (sum(v for k, v in groups.items() if k in prefix)
+                 + max((v for k, v in groups.items() if k not in prefix), default=0))
     why = ("scanned: one layer's (or lm_head's) weights gathered over fsdp" if scanned else
            "unrolled: every fsdp-split weight gathered (XLA may schedule all gathers early)")
+    if scanned and plan.stack.start:
+        why += f", and all of the {plan.stack.start} unrolled layer(s) before the loop"
     if train:
         alive += largest
         why += " + the largest group's gradient before its reduce-scatter"
@@ -318,6 +325,10 @@ def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
         why = "scanned stack: checkpointed per layer" if scanned else "--grad-ckpt"
         formula = (f"{why}: L*{b_s}*hidden*{e} + {b_s}*A, A = {per_layer:.0f} B/token "
                    "saved by one layer")
+        start = plan.stack.start if scanned and not setup.grad_ckpt else 0
+        if start:     # the unrolled layers before the loop keep all they save
+            act += start * tokens * per_layer
+            formula += f" + {start} unrolled layer(s)*{b_s}*A"
     else:
         act = layers * tokens * per_layer
         formula = f"unrolled, no checkpointing: L*{b_s}*A, A = {per_layer:.0f} B/token per layer"

@@ -4,8 +4,13 @@ A stack scans when its layers repeat: the same class, the same tensors (names, s
 quantized formats) and the same non-tensor attributes (sliding window, layer type, attention
 kernel, ...) with some period ``group`` that divides the depth. Gemma 2's alternating sliding and
 global layers repeat with period 2: the loop then runs pairs. Only ``layer_idx`` may differ (the
-loop hands each layer its own cache slot, so nothing reads it). Everything here is plain data:
-``autoxla plan`` shows it without torch_xla.
+loop hands each layer its own cache slot, so nothing reads it).
+
+A stack whose first layers differ from the rest (DeepSeek-V3's ``first_k_dense_replace`` dense
+layers before its mixture-of-experts ones) scans the rest: ``start`` is the smallest prefix (at
+most half the layers) after which the layers repeat at least twice; the prefix layers run
+unrolled, as ordinary modules, before the loop. Everything here is plain data: ``autoxla plan``
+shows it without torch_xla.
 """
 from __future__ import annotations
 
@@ -31,31 +36,39 @@ class StackPlan:
     layers: int
     group: int = 1       # layers per loop step (the period of their pattern)
     scanned: bool = False
-    reason: str = ""     # why not, when not scanned
+    reason: str = ""     # why not, when not scanned; when scanned from start: why the prefix differs
+    start: int = 0       # layers 0..start-1 run unrolled, before the loop (they differ)
 
     @property
     def steps(self) -> int:
-        return self.layers // self.group if self.scanned else 0
+        return (self.layers - self.start) // self.group if self.scanned else 0
 
     def describe(self) -> str:
-        if self.scanned:
-            per = "1 layer" if self.group == 1 else f"{self.group} layers"
-            return (f"decoder stack {self.path}: {self.layers} layers scanned as one loop of "
-                    f"{self.steps} steps ({per} per step; one step compiled)")
-        return f"decoder stack {self.path}: {self.layers} layers unrolled ({self.reason})"
+        if not self.scanned:
+            return f"decoder stack {self.path}: {self.layers} layers unrolled ({self.reason})"
+        per = "1 layer" if self.group == 1 else f"{self.group} layers"
+        loop = f"one loop of {self.steps} steps ({per} per step; one step compiled)"
+        if not self.start:
+            return f"decoder stack {self.path}: {self.layers} layers scanned as {loop}"
+        return (f"decoder stack {self.path}: layers 0..{self.start - 1} unrolled ({self.reason}), "
+                f"layers {self.start}..{self.layers - 1} scanned as {loop}")
 
     def unrolled(self, reason: str) -> "StackPlan":
         return dataclasses.replace(self, scanned=False, reason=reason)
 
     def rechecked(self, layers) -> "StackPlan":
         """This plan for ``layers`` as they are now (an attention patch may have left some of
-        them eager since the plan was made): itself while they still repeat with its group,
-        else unrolled, saying why."""
+        them eager since the plan was made): itself while they still repeat from its start with
+        its group, else unrolled, saying why (``start`` is kept: a stack already built keeps
+        the layers before it unstacked)."""
         if not self.scanned:
             return self
-        group, reason = repeating_group(list(layers))
-        if reason or group != self.group:
-            return self.unrolled(reason or f"the layers now repeat every {group}")
+        start, group, reason = repeating_group(list(layers))
+        if not group:
+            return self.unrolled(reason)
+        if (start, group) != (self.start, self.group):
+            now = f"the layers now repeat every {group} from layer {start}"
+            return self.unrolled(f"{now} ({reason})" if reason else now)
         return self
 
 
@@ -83,12 +96,13 @@ def plan_stack(model: nn.Module, enabled: bool = True) -> StackPlan | None:
     plan = StackPlan(path, len(layers))
     if not enabled:
         return plan.unrolled("scan_layers=False")
-    group, reason = repeating_group(list(layers))
-    if not reason:
-        reason = how_layers_are_called(model, path, len(layers))
-    if reason:
-        return plan.unrolled(reason)
-    return dataclasses.replace(plan, group=group, scanned=True)
+    start, group, reason = repeating_group(list(layers))
+    if group:
+        called = how_layers_are_called(model, path, len(layers))
+        if called:
+            return plan.unrolled(called)
+        return dataclasses.replace(plan, group=group, scanned=True, start=start, reason=reason)
+    return plan.unrolled(reason)
 
 
 def how_layers_are_called(model: nn.Module, path: str, n: int) -> str:
@@ -149,18 +163,36 @@ class _PassThrough(nn.Module):
         return hidden
 
 
-def repeating_group(layers: list[nn.Module]) -> tuple[int, str]:
-    """(the period of the layers' pattern, "") or (0, why they cannot be scanned)."""
+def repeating_group(layers: list[nn.Module]) -> tuple[int, int, str]:
+    """(start, group, why layers 0..start-1 are apart or ""): layers start.. repeat every
+    ``group`` layers, at least twice. The smallest start wins, then the smallest group; the
+    prefix is at most half the layers (past that, little is left to loop over).
+    (0, 0, why not) when no such split exists."""
     n = len(layers)
     if n < 2:
-        return 0, "a single layer: nothing to loop over"
+        return 0, 0, "a single layer: nothing to loop over"
     signatures = [signature(m) for m in layers]
-    for period in range(1, n // 2 + 1):
-        if n % period == 0 and all(signatures[i] == signatures[i % period] for i in range(n)):
-            return period, ""
+    for start in range(n // 2 + 1):
+        rest = signatures[start:]
+        for period in range(1, len(rest) // 2 + 1):
+            m = len(rest)
+            if m % period == 0 and all(rest[i] == rest[i % period] for i in range(m)):
+                return start, period, _apart(signatures, start, period)
     other = next(i for i in range(1, n) if signatures[i] != signatures[0])
-    return 0, (f"the layers do not repeat: layer {other} differs from layer 0 in "
-               f"{first_difference(signatures[0], signatures[other])}")
+    return 0, 0, (f"the layers do not repeat: layer {other} differs from layer 0 in "
+                  f"{first_difference(signatures[0], signatures[other])}")
+
+
+def _apart(signatures: list, start: int, group: int) -> str:
+    """Why layer start-1, the last of the prefix, is not the loop's first: it differs from the
+    layer at its place in the pattern, or the depth from it is no whole number of groups."""
+    if not start:
+        return ""
+    last, twin = start - 1, start - 1 + group
+    if signatures[last] != signatures[twin]:
+        return (f"they differ from the rest: layer {last} differs from layer {twin} in "
+                f"{first_difference(signatures[last], signatures[twin])}")
+    return f"layers {last}..{len(signatures) - 1} are not whole groups of {group}"
 
 
 def signature(layer: nn.Module) -> list:
