@@ -112,6 +112,10 @@ ARCHITECTURES = [
     Architecture("Mistral 3", "Ministral3Config", note="the Ministral 3 text model (yarn rope)"),
 ]
 BY_NAME = {a.name: a for a in ARCHITECTURES}
+# Quantized experts (quantization/experts.py) checked per expert layout: stacked from one tensor
+# per expert (Mixtral; Qwen2-MoE with a shared expert; DeepSeek-V3), fused and transposed with
+# biases (gpt-oss). Architecture name -> the bit widths.
+QUANTIZED_EXPERTS = {"Mixtral": (4,), "Qwen2-MoE": (4,), "gpt-oss": (8, 4), "DeepSeek-V3": (8,)}
 
 
 def save_checkpoint(arch: Architecture | str, directory: str | os.PathLike, *, seed: int = 0,
@@ -137,6 +141,8 @@ def markdown_table() -> str:
         under = "2d, fsdp, 3d, int8" if a.subset else "2d"
         if a.name == "Mixtral":
             under = "every strategy, int8, a training step"
+        if a.name in QUANTIZED_EXPERTS:
+            under += ", " + " and ".join(f"int{b}" for b in QUANTIZED_EXPERTS[a.name]) + " experts"
         rows.append(f"| {a.name} | `{a.config_class}` | {'yes' if a.moe else ''} | {under} | "
                     f"{_stack(a)} | {a.note} |")
     return "\n".join(rows)

@@ -58,7 +58,12 @@ def prepare_model_for_checkpoint(model: nn.Module, dequantize: bool = True) -> n
             q, scale = state.pop(f"{name}.weight"), state.pop(f"{name}.weight_scale")
             zero_point = state.pop(f"{name}.weight_zero_point", None)
             offset = state.pop(f"{name}.weight_offset", None)
-            state[f"{name}.weight"] = dequantize_weight(q, scale, zero_point, d.fmt, dtype, offset)
+            w = dequantize_weight(q, scale, zero_point, d.fmt, dtype, offset)
+            if d.experts:     # the experts module's [experts, ...] parameter, in its own layout
+                owner, _, leaf = name.rpartition(".")
+                state[name] = w.transpose(1, 2) if plain.get_submodule(owner).is_transposed else w
+            else:
+                state[f"{name}.weight"] = w
     _, unexpected = plain.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"internal error: {type(inner).__name__} holds {unexpected[:5]}, which "

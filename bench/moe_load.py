@@ -14,6 +14,9 @@ up then), against the goal: the loaded model (XLA:CPU keeps device buffers in ho
 
   naive:   AutoModelForCausalLM.from_pretrained on the CPU, .to(xla), mark_sharding per the plan
   autoxla: AutoXLAModelForCausalLM.from_pretrained(sharding_strategy="2d")
+  autoxla-int8: the same with do_quant=True, QuantizationConfig(bits=8): every expert's tensor
+           quantized by the C engine as it streams (quantization/experts.py); its goal is the
+           int8 model plus 2 of the largest bf16 tensors
 """
 from __future__ import annotations
 
@@ -59,14 +62,28 @@ def _child(path: str, mode: str) -> None:
     import torch
 
     def load():
-        if mode == "autoxla":
+        if mode.startswith("autoxla"):
             from AutoXLA.modeling import AutoXLAModelForCausalLM
+            from AutoXLA.quantization import QuantizationConfig
 
+            quant = dict(do_quant=True, quantization_config=QuantizationConfig(bits=8)) \
+                if mode == "autoxla-int8" else {}
             return AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=STRATEGY,
-                                                           scan_layers=False)
+                                                           scan_layers=False, **quant)
         return naive_load(path, STRATEGY, scan_layers=False)
 
     model, m = measured_load(load)
+    if mode == "autoxla-int8":     # what it holds, and what the C engine measured
+        from AutoXLA.quantization.experts import QuantizedExperts
+
+        report = model.autoxla_quantization
+        held = [*model.parameters(), *model.buffers()]
+        print(json.dumps({"mode": mode, **m, "model_bytes": sum(t.nbytes for t in held),
+                          "int8_experts": sum(isinstance(x, QuantizedExperts)
+                                              and x.weight.dtype == torch.int8
+                                              for x in model.modules()),
+                          "worst_sqnr_db": min(d.min_sqnr_db for d in report.layers.values())}))
+        return
     with torch.no_grad():
         sums = {n: float(p.float().abs().sum().cpu()) for n, p in model.named_parameters()}
     print(json.dumps({"mode": mode, **m, "sums": sums}))
@@ -85,7 +102,7 @@ def main() -> None:
         info = make_checkpoint(path, args.size_gb)
         on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         results = {m: run_json_child([__file__, "--child", str(path), m], 3600)
-                   for m in ("naive", "autoxla")}
+                   for m in ("naive", "autoxla", "autoxla-int8")}
     for mode, r in results.items():
         if "error" in r:
             sys.exit(f"{mode}: {r['error']}")
@@ -112,6 +129,18 @@ def main() -> None:
     met = a["peak"] - a["rss_before"] <= goal
     print(f"goal autoxla peak - before <= model + 2 x largest tensor ({goal / mb:.0f} MiB): "
           f"{'met' if met else 'NOT met'}")
+    # do_quant: each expert's tensor is read in bf16 and quantized by the C engine as it streams.
+    q = results["autoxla-int8"]
+    if q["int8_experts"] != 2 * info["layers"]:
+        sys.exit(f"autoxla-int8: {q['int8_experts']} int8 expert projections, expected "
+                 f"{2 * info['layers']}")
+    grown, qmodel = q["peak"] - q["rss_before"], q["model_bytes"]
+    print(f"autoxla-int8 time {q['seconds']:6.2f} s   peak - before {grown / mb:7.0f} MiB = "
+          f"int8 model ({qmodel / mb:.0f} MiB) + {(grown - qmodel) / largest:5.2f} x largest "
+          f"bf16 tensor; worst weight row SQNR {q['worst_sqnr_db']:.1f} dB")
+    print(f"goal autoxla-int8 peak - before <= int8 model + 2 x largest bf16 tensor "
+          f"({(qmodel + 2 * largest) / mb:.0f} MiB): "
+          f"{'met' if grown <= qmodel + 2 * largest else 'NOT met'}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from dataclasses import dataclass
 
 import torch
@@ -63,33 +64,62 @@ class Composite:
     def host_shards(self, records: dict[str, TensorRecord], spec: tuple, mesh, host,
                     dtype: torch.dtype) -> tuple[dict[int, torch.Tensor], int]:
         """device -> its shard of the target for the devices ``host`` addresses, and the bytes
-        read. Each piece is read (and converted to ``dtype``) only if one of those shards needs
-        it, then its overlap with each shard is copied in place."""
+        read. Each piece is read (and converted to ``dtype`` by the C core) only if one of those
+        shards needs it, then its overlap with each shard is copied in place."""
         from .streaming import shard_grid_tensors
 
-        grid = hosts.shard_grid(spec, mesh)
-        of_device = hosts.device_blocks(spec, mesh)
-        wanted = sorted({of_device[d] for d in host.devices})
-        boxes = {b: _block_box(self.shape, grid, b) for b in wanted}
-        blocks = _blocks_in_one_buffer({b: [hi - lo for lo, hi in box] for b, box in boxes.items()},
-                                       dtype)
-        read = 0
+        def read(record):
+            return {"": shard_grid_tensors(record, (1,) * len(record.shape), dtype)[0]}
+
+        shards, read_bytes = self.assemble(records, {"": (spec, self.shape, dtype)}, mesh, host, read)
+        return shards[""], read_bytes
+
+    def assemble(self, records: dict[str, TensorRecord], targets: dict, mesh, host, read
+                 ) -> tuple[dict[str, dict[int, torch.Tensor]], int]:
+        """({name: {device: shard}}, bytes read) of several tensors made from the same pieces:
+        the target itself, or its quantized weight and scales (``targets``: name -> (spec,
+        shape, dtype); ``read(record)`` -> name -> the piece's values in that tensor). The pieces
+        span the target's last dim (experts are stacked and concatenated by rows), so a piece
+        lands at the same place in every tensor along the other dims and fills its last one."""
+        layouts = {}
+        for name, (spec, shape, dtype) in targets.items():
+            grid = hosts.shard_grid(spec, mesh)
+            of_device = hosts.device_blocks(spec, mesh)
+            wanted = sorted({of_device[d] for d in host.devices})
+            boxes = {b: _block_box(shape, grid, b) for b in wanted}
+            blocks = _blocks_in_one_buffer({b: [hi - lo for lo, hi in box]
+                                            for b, box in boxes.items()}, dtype)
+            layouts[name] = (of_device, boxes, blocks)
+        read_bytes = 0
         for p in self.pieces:
             record = records[p.key]
             shape = (1,) * (len(self.shape) - len(record.shape)) + tuple(record.shape)
-            box = [(a, a + s) for a, s in zip(p.at, shape)]
-            overlaps = [(b, _intersect(box, boxes[b])) for b in wanted]
-            overlaps = [(b, o) for b, o in overlaps if o is not None]
-            if not overlaps:
+            rows = [(a, a + s) for a, s in zip(p.at[:-1], shape[:-1])]
+            if not any(_intersect(rows, box[:-1]) for _, boxes, _ in layouts.values()
+                       for box in boxes.values()):
                 continue
-            value = shard_grid_tensors(record, (1,) * len(record.shape), dtype)[0].reshape(shape)
-            read += record.nbytes
-            for b, region in overlaps:
-                src = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(region, box))
-                dst = tuple(slice(lo - blo, hi - blo) for (lo, hi), (blo, _) in zip(region, boxes[b]))
-                blocks[b][dst].copy_(value[src])
-            del value
-        return {d: blocks[of_device[d]] for d in host.devices}, read
+            values = read(record)
+            read_bytes += record.nbytes
+            for name, (_, boxes, blocks) in layouts.items():
+                value = values[name].reshape(shape[:-1] + values[name].shape[-1:])
+                box = rows + [(0, value.shape[-1])]
+                for b, block_box in boxes.items():
+                    region = _intersect(box, block_box)
+                    if region is None:
+                        continue
+                    src = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(region, box))
+                    dst = tuple(slice(lo - blo, hi - blo)
+                                for (lo, hi), (blo, _) in zip(region, block_box))
+                    blocks[b][dst].copy_(value[src])
+            del values
+        return {name: {d: blocks[of_device[d]] for d in host.devices}
+                for name, (of_device, _, blocks) in layouts.items()}, read_bytes
+
+    def read_whole(self, records: dict[str, TensorRecord], dtype: torch.dtype) -> torch.Tensor:
+        """The whole target in ``dtype`` (``autoxla quantize`` writes it as one tensor)."""
+        one = types.SimpleNamespace(axis_names=("all",), mesh_shape=(1,), device_ids=[0])
+        spec = (None,) * len(self.shape)
+        return self.host_shards(records, spec, one, hosts.Host.single(1), dtype)[0][0]
 
 
 def _blocks_in_one_buffer(shapes: dict, dtype: torch.dtype) -> dict:

@@ -65,7 +65,7 @@ def _by_tiles(record, leaves, grid, mesh, host, quantize, importance):
             for d in host.devices:
                 if of_device[d] == k:
                     out[leaf][d] = value
-    return out, read, _merged_stats(results)
+    return out, read, merged_stats(results)
 
 
 def _by_rows(record, leaves, mesh, host, quantize, importance):
@@ -109,7 +109,7 @@ def _stored(q) -> dict[str, torch.Tensor]:
     return stored_tensors(q)
 
 
-def _merged_stats(results: list):
+def merged_stats(results: list):
     """What the quantization report reads (per-row error and SQNR) of several tiles, as one."""
     if not results or results[0].max_err is None:
         return types.SimpleNamespace(max_err=None, sqnr_db=None)

@@ -40,6 +40,13 @@ def use_for(config) -> None:
     config._experts_implementation = NAME
 
 
+def use_on(module: nn.Module) -> None:
+    """Make one experts module (and every module sharing its config) run ``autoxla_experts``."""
+    if getattr(module, "config", None) is not None:
+        register()
+        module.config._experts_implementation = NAME
+
+
 def check_supported(model: nn.Module) -> None:
     """Refuse, at load, an experts module ``autoxla_experts`` cannot run, naming it and why."""
     for name, module in model.named_modules():
@@ -57,12 +64,10 @@ def place(model: nn.Module, plan) -> None:
     for name, module in model.named_modules():
         if not rules.is_experts(module):
             continue
-        if getattr(module, "config", None) is not None:
-            register()
-            module.config._experts_implementation = NAME
+        use_on(module)
         leaf = "gate_up_proj" if module.has_gate else "up_proj"
-        entry = f"{name}.{leaf}"
-        if entry in plan and plan[entry].spec[0] == "fsdp":
+        entry = next((e for e in (f"{name}.{leaf}", f"{name}.{leaf}.weight") if e in plan), None)
+        if entry is not None and plan[entry].spec[0] == "fsdp":
             module.autoxla_dispatch_spec = (None, "fsdp", None)
 
 
@@ -73,9 +78,12 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     Follows the layout flags transformers' decorator sets on the experts module: ``has_gate``
     (gate_up_proj, else up_proj), ``is_transposed`` (weights [E, in, out], gpt-oss) and
     ``has_bias``; the gate itself is the module's ``_apply_gate`` (gpt-oss interleaves gate and
-    up and clamps), applied on the last dimension. Modules with ``has_post_expert_norm`` are
+    up and clamps), applied on the last dimension. A quantized projection (``QuantizedExperts``,
+    do_quant) is dequantized here, inside the compiled graph. Modules with ``has_post_expert_norm`` are
     refused at load (``check_supported``)."""
-    experts = self.gate_up_proj if self.has_gate else self.up_proj
+    experts, transposed = _weight(self, "gate_up_proj" if self.has_gate else "up_proj",
+                                  hidden_states.dtype)
+    down_proj, down_transposed = _weight(self, "down_proj", hidden_states.dtype)
     num_experts = experts.shape[0]
     # routing[t, e]: the weight token t gives expert e (0 for the experts it did not choose).
     routing = torch.zeros(hidden_states.shape[0], num_experts, dtype=top_k_weights.dtype,
@@ -85,19 +93,29 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
     # intermediates stay split by expert, so the tokens travel to the experts rather than
     # the experts' weights to the tokens (which XLA chose for the backward when left alone).
     split = getattr(self, "autoxla_dispatch_spec", None)
-    up = _experts_linear(hidden_states, experts, self.is_transposed)          # [T, E, 2I or I]
+    up = _experts_linear(hidden_states, experts, transposed)                  # [T, E, 2I or I]
     if self.has_bias:
         up = up + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)
     if split:
         up = backend.constrain(up, split)
     inner = self._apply_gate(up) if self.has_gate else self.act_fn(up)       # [T, E, I]
-    down = _experts_linear(inner, self.down_proj, self.is_transposed, per_expert=True)  # [T, E, H]
+    down = _experts_linear(inner, down_proj, down_transposed, per_expert=True)  # [T, E, H]
     if self.has_bias:
         down = down + self.down_proj_bias
     if split:
         down = backend.constrain(down, split)
     out = torch.einsum("teh,te->th", down, routing.to(down.dtype))
     return out.to(hidden_states.dtype)
+
+
+def _weight(module: nn.Module, leaf: str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """(the projection's [E, ...] weight, whether it is [E, in, out]): a float parameter as the
+    module holds it, or a QuantizedExperts' (quantization/experts.py) dequantized in the graph,
+    always [E, out, in]."""
+    weight = getattr(module, leaf)
+    if isinstance(weight, nn.Module):
+        return weight.dequantized_weight(dtype), False
+    return weight, module.is_transposed
 
 
 def _experts_linear(x: torch.Tensor, weight: torch.Tensor, transposed: bool,

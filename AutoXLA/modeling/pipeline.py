@@ -273,7 +273,13 @@ def _sources(model: nn.Module, plan: Plan, checkpoint, state) -> tuple[dict, set
     names, converted = ckpt.renamed_keys(model, available)
     composites = _composites(model, plan, checkpoint, converted, state)
     prefix, renamed = getattr(model, "base_model_prefix", "") + ".", set(names)
-    sources = {t.name: composites.get(t.name) or names.get(_checkpoint_key(t.name, renamed, prefix))
+
+    def source(name: str):
+        return composites.get(name) or names.get(_checkpoint_key(name, renamed, prefix))
+
+    # A quantized expert projection is stored under its own name once saved quantized, and
+    # made from its float parameter (``source_name``) otherwise.
+    sources = {t.name: source(t.name) or (source(t.source_name) if t.source_name else None)
                for t in plan if not t.tied_to and t.persistent}
     # A quantized weight whose checkpoint tensor is float is quantized as it streams; its scale
     # and zero point come out of that call rather than from the checkpoint.
@@ -315,6 +321,7 @@ def _composites(model: nn.Module, plan: Plan, checkpoint, converted: list[str], 
         refuse("from pickle weights; convert them to safetensors")
     renamings, converters = ckpt.weight_conversions(model)
     shapes = {t.name: tuple(t.shape) for t in plan}
+    shapes.update({t.source_name: tuple(t.source_shape) for t in plan if t.source_name})
     composites, unsupported = compose(model, converted, converters, renamings, shapes)
     if unsupported:
         refuse(f"e.g. {unsupported[:3]}")
@@ -348,6 +355,7 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     devices' shards come from (loading/host_quantize.py), unless the weight is smoothed or comes
     from pickle weights, which are whole in memory anyway."""
     from ..loading.host_quantize import host_quantized_shards
+    from ..quantization.experts import quantize_experts
     from ..quantization.linear import stored_tensors
     from ..quantization.quantizer import quantize_tensor
 
@@ -356,12 +364,20 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
              for leaf in ("weight", "weight_scale", "weight_zero_point", "weight_offset")}
     leaves = {leaf: plan[name] for leaf, name in names.items() if name in plan}
     importance = report.importance(prefix) if report is not None else None   # calibration's
-    label = f"{t.name} (checkpoint tensor {key!r})"
+    label = f"{t.name} (checkpoint {f'tensor {key!r}' if isinstance(key, str) else key})"
+
+    experts = getattr(owner, "num_experts", None)     # a QuantizedExperts' [E, ...] parameter
 
     def quantize(w, importance):
+        if experts:
+            return quantize_experts(w, owner, label)
         return quantize_tensor(w, owner.quant_format, label, importance=importance)
 
-    if host.is_everything or smoothing is not None or state is not None:
+    if not isinstance(key, str):               # experts stacked from one tensor per expert
+        shards, read, q = _quantized_pieces(key, owner, leaves, checkpoint, mesh, host, label)
+        stats.bytes_read += read
+    elif host.is_everything or smoothing is not None or state is not None or experts:
+        # (Experts are read whole on each host too: few, and split by expert, not by rows.)
         w = _read_host(key, state, checkpoint, stats)
         _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
         if smoothing is not None:  # in float32: quantize the product, not a bf16 rounding of it
@@ -384,6 +400,32 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
         owner._buffers[leaf] = streaming.to_device(by_device, entry.spec, mesh, entry.shape, host)
         sent += entry.nbytes
     return sent
+
+
+def _quantized_pieces(composite, owner: nn.Module, leaves: dict, checkpoint, mesh, host,
+                      label: str):
+    """``_load_quantized`` of a quantized expert projection whose checkpoint holds one tensor per
+    expert (loading/converted.py): each piece is read and quantized alone by the C engine (its
+    rows are whole rows of the projection, so this is the whole projection's result piece by
+    piece) and lands in the quantized tensors' shards. Returns (shards, bytes read, stats)."""
+    from ..loading.host_quantize import merged_stats
+    from ..quantization.linear import stored_tensors
+    from ..quantization.quantizer import quantize_tensor
+
+    if owner.source_transposed:
+        raise ckpt.CheckpointError(
+            f"{label}: one tensor per expert in the transposed layout [experts, in, out] cannot be "
+            "quantized as it streams; re-save the checkpoint with save_pretrained (fused experts)")
+    results = []
+
+    def read(record):
+        q = quantize_tensor(streaming.read_whole(record), owner.quant_format, label)
+        results.append(q)
+        return stored_tensors(q)
+
+    targets = {leaf: (e.spec, e.shape, getattr(torch, e.dtype)) for leaf, e in leaves.items()}
+    shards, read_bytes = composite.assemble(checkpoint.records, targets, mesh, host, read)
+    return shards, read_bytes, merged_stats(results)
 
 
 def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:

@@ -23,6 +23,8 @@ The rules (docs/planning.md, "Communication per step"):
   all-gathered over fsdp into each MoE layer and its combined output reduce-scattered back
   (the reverse in backward); their gradients need only the data axis. Experts that do not divide
   fsdp are split like FSDP and follow its rules;
+- quantized weights and their scales (buffers, never trained) are gathered as weights are,
+  with no gradient; quantized experts split by expert stay with their experts;
 - the loss: its mean over the split batch, one scalar all-reduce (in train mode; measured);
   over a vocabulary split on model, 3 all-reduces of [tokens] (max, sum of exp, the label's
   logit); a decode step gathers the logits [batch, vocab] over model to pick the next token.
@@ -138,14 +140,19 @@ def communication(plan, *, batch: int, seq: int = 1, train: bool = True) -> Comm
     act = _activation_dtype(plan)
     dsize = mesh.size(BATCH_AXES)
     add = report.ops.append
-    params = [t for t in plan.parameters if not t.tied_to]
+    # The weights: parameters, and the quantized tensors (buffers, read but never trained).
+    params = [t for t in plan.tensors if not t.tied_to and (not t.is_buffer or t.quant)]
+    by_expert = {t.name for t in params if t.role == rules.EXPERTS and mesh.fsdp > 1
+                 and _dim_on(t, "fsdp") == 0}
     for t in params:
         layer = _layer(t.name)
         fsdp_dim = _dim_on(t, "fsdp") if mesh.fsdp > 1 else None
         gathered = _restore(t.shard_shape, fsdp_dim, mesh.fsdp)
-        if t.role == rules.EXPERTS and fsdp_dim == 0:     # expert parallel: tokens move instead
-            _expert_parallel(t, mesh, tokens, act, train, layer, add, _hidden(params))
-            if train and mesh.data > 1:
+        trained = not t.is_buffer
+        if t.name in by_expert or t.derived_from in by_expert:   # tokens move instead
+            if t.name in by_expert:
+                _expert_parallel(t, mesh, tokens, act, train, layer, add, _hidden(params))
+            if train and trained and mesh.data > 1:
                 add(CommOp("all-reduce", f"gradient {t.name}", "gradient", t.dtype, t.shard_shape,
                            ("data",), mesh.data, layer))
             continue
@@ -155,7 +162,7 @@ def communication(plan, *, batch: int, seq: int = 1, train: bool = True) -> Comm
             for phase in ("forward", "backward") if train else ("forward",):
                 add(CommOp("all-gather", f"weight {t.name}", phase, t.dtype, gathered, ("fsdp",),
                            mesh.fsdp, layer))
-        if train and dsize > 1:
+        if train and trained and dsize > 1:
             if fsdp_dim is not None:
                 # With data > 1 too, XLA reduces over data x fsdp in one op (measured on 3d)
                 # rather than a reduce-scatter over fsdp then an all-reduce over data.
@@ -178,7 +185,7 @@ def _expert_parallel(t, mesh, tokens, act, train, layer, add, hidden: int):
     over fsdp to meet the experts each device holds, their weighted outputs summed back to each
     device's tokens; backward does the same to the output's and the input's gradients. The
     hidden dim is split over model as the activations are."""
-    if not t.name.endswith(("gate_up_proj", ".up_proj")):
+    if not t.name.removesuffix(".weight").endswith(("gate_up_proj", ".up_proj")):
         return
     payload = (tokens * mesh.fsdp, hidden // mesh.model if hidden % mesh.model == 0 else hidden)
     add(CommOp("all-gather", f"tokens to the experts of {t.name}", "forward", act, payload,

@@ -53,21 +53,24 @@ class QuantizedLinear(nn.Module):
                 + (", W8A8" if self.quantize_activation else ""))
 
 
-def register_quantized_buffers(module: nn.Module, fmt: LayerFormat, device=None) -> None:
+def register_quantized_buffers(module: nn.Module, fmt: LayerFormat, device=None,
+                               leading: tuple[int, ...] = ()) -> None:
     """Zero ``weight`` (int8, or int4 packed in uint8), ``weight_scale`` and, when asymmetric,
-    ``weight_zero_point`` or ``weight_offset`` buffers of ``fmt``'s shapes: the names the loader, the plan and saving
-    know a quantized module's tensors by (QuantizedLinear, QuantizedEmbedding)."""
+    ``weight_zero_point`` or ``weight_offset`` buffers of ``fmt``'s shapes, after ``leading``
+    dims (QuantizedExperts' experts): the names the loader, the plan and saving know a quantized
+    module's tensors by (QuantizedLinear, QuantizedEmbedding, QuantizedExperts)."""
     qdtype = torch.int8 if fmt.bits == 8 else torch.uint8
-    module.register_buffer("weight", torch.zeros(fmt.q_shape, dtype=qdtype, device=device))
+    q_shape, scale_shape = leading + fmt.q_shape, leading + fmt.scale_shape
+    module.register_buffer("weight", torch.zeros(q_shape, dtype=qdtype, device=device))
     # The C engine rounds each fp32 scale UP to this dtype and quantizes with the stored scale,
     # so every value stays within half a step (docs/quantization.md).
-    module.register_buffer("weight_scale", torch.zeros(fmt.scale_shape,
+    module.register_buffer("weight_scale", torch.zeros(scale_shape,
                                                        dtype=fmt.torch_scale_dtype, device=device))
     zero_point = offset = None
     if fmt.offset:
-        offset = torch.zeros(fmt.scale_shape, dtype=fmt.torch_scale_dtype, device=device)
+        offset = torch.zeros(scale_shape, dtype=fmt.torch_scale_dtype, device=device)
     elif not fmt.symmetric:
-        zero_point = torch.zeros(fmt.scale_shape, dtype=torch.int8, device=device)
+        zero_point = torch.zeros(scale_shape, dtype=torch.int8, device=device)
     # A format without one still has the attribute (None): a None buffer is not saved.
     module.register_buffer("weight_zero_point", zero_point)
     module.register_buffer("weight_offset", offset)
@@ -98,7 +101,8 @@ def stored_tensors(q) -> dict[str, torch.Tensor]:
 
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """uint8 (rows, ceil(cols/2)) two's complement nibbles -> int32 (rows, cols) in [-8, 7].
+    """uint8 (..., rows, ceil(cols/2)) two's complement nibbles -> int32 (..., rows, cols) in
+    [-8, 7] (leading dims: a mixture-of-experts layer's experts, quantization/experts.py).
 
     Integer ops only (and, shift, xor, subtract), which XLA fuses into the consumer; the shard
     layout survives because each byte expands in place (stack on a new last dim, then flatten).
@@ -106,12 +110,12 @@ def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     v = packed.to(torch.int32)
     low = ((v & 15) ^ 8) - 8
     high = ((v >> 4) ^ 8) - 8
-    out = torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
-    return out if out.shape[1] == cols else out[:, :cols]
+    out = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], -1)
+    return out if out.shape[-1] == cols else out[..., :cols]
 
 
 def integer_weight(q: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
-    """The stored weight as integer values (rows, in_features)."""
+    """The stored weight as integer values (..., rows, in_features)."""
     return unpack_int4(q, fmt.in_features) if fmt.bits == 4 else q
 
 
@@ -119,14 +123,15 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
                fmt: LayerFormat, dtype: torch.dtype, offset: torch.Tensor | None = None
                ) -> torch.Tensor:
     """(q - zero_point) * scale, or q * scale + offset, in float32 per group of block_size
-    inputs, cast to ``dtype``: the C core's dequantize (fp32, rounded once at the end)."""
+    inputs, cast to ``dtype``: the C core's dequantize (fp32, rounded once at the end). ``q``
+    is (..., out_features, stored columns), the leading dims (experts) kept."""
     w = integer_weight(q, fmt).to(torch.float32)
-    rows = fmt.out_features
+    rows = tuple(q.shape[:-1])
     if fmt.ragged:   # the last block is shorter: widen each block's values over its columns
         def widen(t):
             return per_column(t.to(torch.float32), fmt)
     else:
-        w = w.reshape(rows, fmt.groups, fmt.block_size)
+        w = w.reshape(*rows, fmt.groups, fmt.block_size)
 
         def widen(t):
             return t.to(torch.float32).unsqueeze(-1)
@@ -135,10 +140,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
     w = w * widen(scale)
     if offset is not None:
         w = w + widen(offset)
-    return w.reshape(rows, fmt.in_features).to(dtype)
+    return w.reshape(*rows, fmt.in_features).to(dtype)
 
 
 def per_column(t: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:
-    """(rows, groups) -> (rows, in_features): each block's value repeated over its columns,
-    the last block's over fewer (a static shape, which XLA lowers to a broadcast and a slice)."""
-    return t.repeat_interleave(fmt.block_size, dim=1)[:, :fmt.in_features]
+    """(..., rows, groups) -> (..., rows, in_features): each block's value repeated over its
+    columns, the last block's over fewer (a static shape, which XLA lowers to a broadcast and a
+    slice)."""
+    return t.repeat_interleave(fmt.block_size, dim=-1)[..., :fmt.in_features]

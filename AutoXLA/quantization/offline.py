@@ -131,6 +131,7 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
     from tqdm.auto import tqdm
 
     from ..modeling.pipeline import _check_shape, _owner, _sources
+    from .experts import quantize_experts
     from .linear import stored_tensors
     from .quantizer import quantize_tensor
 
@@ -143,10 +144,11 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
         key = sources.get(t.name)
         owner, leaf = _owner(model, t.name)
         if t.name in quantize:
-            w = streaming.read_whole(checkpoint.records[key])
+            w = _read(key, checkpoint)
             _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
-            q = quantize_tensor(w, owner.quant_format, f"{t.name} (checkpoint tensor {key!r})",
-                                stats=False)
+            label = f"{t.name} (checkpoint tensor {key!r})"
+            q = (quantize_experts(w, owner, label) if getattr(owner, "num_experts", None)
+                 else quantize_tensor(w, owner.quant_format, label, stats=False))
             del w
             prefix = t.name.rpartition(".")[0]
             for part, value in stored_tensors(q).items():
@@ -157,13 +159,21 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
             if key is None:   # a persistent buffer the checkpoint lacks: the model's own value
                 value = owner._buffers[leaf].to(dtype)
             else:
-                record = checkpoint.records[key]
-                _check_shape(t, record.shape, key)
-                value = _converted(streaming.read_whole(record), dtype)
+                value = _read(key, checkpoint)
+                _check_shape(t, tuple(value.shape), key)
+                value = _converted(value, dtype)
             writer.write(t.name, value)
             del value
         bar.update(1)
     bar.close()
+
+
+def _read(key, checkpoint) -> torch.Tensor:
+    """The checkpoint tensor ``key`` whole, in its stored dtype; a Composite (experts stored one
+    tensor per expert, loading/converted.py) assembled from its pieces."""
+    if isinstance(key, str):
+        return streaming.read_whole(checkpoint.records[key])
+    return key.read_whole(checkpoint.records, checkpoint.records[key.pieces[0].key].dtype)
 
 
 def _converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

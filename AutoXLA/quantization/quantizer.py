@@ -1,5 +1,6 @@
-"""ModelQuantizer: swaps a model's nn.Linear layers for QuantizedLinear (and, with
-quantize_embeddings, its nn.Embedding tables for QuantizedEmbedding).
+"""ModelQuantizer: swaps a model's nn.Linear layers for QuantizedLinear, its mixture-of-experts
+projections ([experts, ...] parameters) for QuantizedExperts, and, with quantize_embeddings, its
+nn.Embedding tables for QuantizedEmbedding.
 
 Works on a model whose weights are on the meta device (the loader's case: the swap happens before
 any weight is read, and the loader fills the quantized buffers from the C engine as it streams),
@@ -17,10 +18,13 @@ import torch
 from torch import nn
 
 from .. import _native, saving
+from ..sharding.rules import is_experts
 from ..module_swap import repointing_references
 from .backends import ACTIVATION_QUANT, choose
 from .config import LayerFormat, QuantizationConfig
 from .embedding import GATHER, QuantizedEmbedding
+from .experts import (EXPERTS_BACKEND, WHY_NO_KERNEL, QuantizedExperts, experts_format,
+                      quantize_experts)
 from .linear import QuantizedLinear, stored_tensors
 
 logger = logging.getLogger("AutoXLA")
@@ -36,6 +40,7 @@ class LayerDecision:
     max_err: float | None = None    # error statistics of the C engine, once the weight is known
     min_sqnr_db: float | None = None
     median_sqnr_db: float | None = None
+    experts: int = 0                # a mixture-of-experts projection of this many experts
 
 
 @dataclass
@@ -77,17 +82,22 @@ class QuantizationReport:
 
     def __str__(self) -> str:
         tables = sum(1 for d in self.layers.values() if d.backend == GATHER)
-        lines = [f"AutoXLA quantization: {len(self.layers) - tables} linear(s) "
+        experts = sum(1 for d in self.layers.values() if d.experts)
+        linears = len(self.layers) - tables - experts
+        lines = [f"AutoXLA quantization: {linears} linear(s) "
+                 + (f"and {experts} expert projection(s) " if experts else "")
                  + (f"and {tables} embedding table(s) " if tables else "")
                  + f"quantized, {len(self.skipped)} kept in full precision; model weights "
                  f"{self.bytes_before / 2**20:.2f} MiB -> {self.bytes_after / 2**20:.2f} MiB "
                  f"({self.bytes_after / max(self.bytes_before, 1):.1%})"]
         by_kind: dict[tuple, int] = {}
         for d in self.layers.values():
-            key = (d.fmt.label, d.backend, d.activation_quant)
+            key = (d.fmt.label, d.backend, d.activation_quant, bool(d.experts))
             by_kind[key] = by_kind.get(key, 0) + 1
-        for (label, backend, act), n in sorted(by_kind.items()):
-            lines.append(f"  {n} x {label} via {backend}{' with int8 activations' if act else ''}")
+        for (label, backend, act, experts), n in sorted(by_kind.items()):
+            what = " expert projection(s)" if experts else ""
+            lines.append(f"  {n}{what} x {label} via {backend}"
+                         f"{' with int8 activations' if act else ''}")
         worst = [d for d in self.layers.values() if d.min_sqnr_db is not None]
         if worst:
             w = min(worst, key=lambda d: d.min_sqnr_db)
@@ -174,6 +184,8 @@ class ModelQuantizer:
         read_directly = {id(m.out_proj) for m in model.modules()
                          if isinstance(m, nn.MultiheadAttention)}
         for name, m in model.named_modules():
+            if is_experts(m):
+                self._plan_experts(name, m, report, matched)
             if not isinstance(m, nn.Linear):
                 continue
             if id(m) in read_directly:
@@ -213,13 +225,31 @@ class ModelQuantizer:
             warnings.warn(msg, stacklevel=3)
         no_act = [d.name for d in report.layers.values()      # a table's lookup has no input
                   if cfg.quantize_activation and not d.activation_quant and d.backend != GATHER
-                  and not cfg.float_activations(d.name)]
+                  and not d.experts and not cfg.float_activations(d.name)]
         if no_act:
             msg = (f"quantize_activation=True, but the {report.layers[no_act[0]].backend} backend "
                    f"does not quantize activations: {len(no_act)} layer(s) keep float activations")
             report.warnings.append(msg)
             warnings.warn(msg, stacklevel=3)
         return report
+
+    def _plan_experts(self, name: str, module: nn.Module, report, matched: set) -> None:
+        """A mixture-of-experts module's fused projections (``gate_up_proj`` or ``up_proj``, and
+        ``down_proj``: [experts, out, in] parameters) become QuantizedExperts of the format a
+        linear of one expert's shape gets (quantization/experts.py); their biases stay float."""
+        for leaf in ("gate_up_proj", "up_proj", "down_proj"):
+            weight = module._parameters.get(leaf)
+            if weight is None or weight.dim() != 3:
+                continue
+            full = f"{name}.{leaf}"
+            pattern = self.config.excludes(full)
+            if pattern is not None:
+                matched.add(pattern)
+                report.skipped[full] = f"excluded by exclude_layers pattern {pattern!r}"
+                continue
+            fmt = experts_format(self.config, full, weight, bool(module.is_transposed))
+            report.layers[full] = LayerDecision(full, fmt, EXPERTS_BACKEND, [WHY_NO_KERNEL], False,
+                                                experts=weight.shape[0])
 
     def _plan_embeddings(self, model: nn.Module, tied_names: set[str], report, matched: set) -> None:
         """quantize_embeddings: the token table (every nn.Embedding of a model that has no
@@ -296,6 +326,9 @@ class ModelQuantizer:
         for name, d in report.layers.items():
             path, _, leaf = name.rpartition(".")
             parent = model.get_submodule(path)      # "" is the model itself
+            if d.experts:
+                _swap_experts(parent, leaf, d, report)
+                continue
             old = getattr(parent, leaf)
             table = d.backend == GATHER
             new = _quantized_table_like(old, d) if table else _quantized_like(old, d)
@@ -325,6 +358,24 @@ def _refuse_stacked(model: nn.Module) -> None:
             "weights are stacked tensors that quantizing one layer at a time cannot replace. "
             "Quantize while loading (from_pretrained(..., do_quant=True, quantization_config="
             "...)), or load with scan_layers=False and quantize afterwards")
+
+
+def _swap_experts(parent: nn.Module, leaf: str, d: LayerDecision, report) -> None:
+    """The experts parameter ``leaf`` of ``parent`` replaced by a QuantizedExperts module under
+    the same name (quantized by the C engine unless it is still on meta)."""
+    from ..modeling import experts as moe
+
+    old = parent._parameters[leaf]
+    new = QuantizedExperts(d.fmt, d.experts, bool(parent.is_transposed), device=old.device)
+    moe.use_on(parent)    # transformers' own experts forwards read the float parameter
+    if old.device.type != "meta":
+        q = quantize_experts(old.detach().cpu(), new, d.name)
+        report.record_stats(d.name, q)
+        t = {k: v.to(old.device) for k, v in stored_tensors(q).items()}
+        new.load_quantized(t["weight"], t["weight_scale"], t.get("weight_zero_point"),
+                           t.get("weight_offset"))
+    del parent._parameters[leaf]
+    parent.add_module(leaf, new)
 
 
 def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:

@@ -158,6 +158,7 @@ class CalibrationReport:
     # E[x_j^2] of each planned layer's input as the quantized model sees it (after smoothing):
     # the weighting of the C engine's scale search (QuantizationConfig(scale_search=True)).
     importances: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    unmeasured_experts: int = 0   # expert projections quantized but float in the emulation
 
     def importance(self, name: str) -> torch.Tensor | None:
         return self.importances.get(name)
@@ -181,7 +182,9 @@ class CalibrationReport:
         """The summary the quantization report and the plan print."""
         out = [f"calibration: {self.tokens} tokens; perplexity on them (emulated) float "
                f"{self.float_perplexity:.3f}, quantized as planned {self.quantized_perplexity:.3f} "
-               f"({self.quantized_perplexity / self.float_perplexity - 1:+.2%})"]
+               f"({self.quantized_perplexity / self.float_perplexity - 1:+.2%})"
+               + (f", with the {self.unmeasured_experts} expert projection(s) left float (not "
+                  "emulated)" if self.unmeasured_experts else "")]
         if self.smoothing is not None:
             out.append(self.smoothing.summary())
         if self.target is not None:
@@ -234,7 +237,9 @@ def run(model: nn.Module, cal: CalibrationConfig, config: QuantizationConfig, to
     with warnings.catch_warnings():       # the quantizer warns again when it quantizes
         warnings.simplefilter("ignore")
         planned = ModelQuantizer(config).plan(model, tied, on_tpu)
-    decisions = {n: d for n, d in planned.layers.items() if d.backend != GATHER}
+    # Linears only: tables have no input to measure, and expert projections (quantized
+    # weight-only, quantization/experts.py) are not modules calibration can hook one by one.
+    decisions = {n: d for n, d in planned.layers.items() if d.backend != GATHER and not d.experts}
     if isinstance(cal.data, Calibration):
         calibration = cal.data
         missing = [n for n in decisions if n not in calibration.layers]
@@ -263,7 +268,9 @@ def run(model: nn.Module, cal: CalibrationConfig, config: QuantizationConfig, to
         f_ppl = _ppl(float_nll)
         report = CalibrationReport(ids.numel(), {n: LayerSensitivity(*e) for n, e in errors.items()},
                                    f_ppl, q_ppl, q_ppl, cal.target, smoothing, evaluations=2,
-                                   importances=importances)
+                                   importances=importances,
+                                   unmeasured_experts=sum(1 for d in planned.layers.values()
+                                                          if d.experts))
         if cal.target is not None and q_ppl / f_ppl - 1 > cal.target:
             _search(emu, ids, plan_modes, report)
     return report.apply(config), smoothing, report

@@ -39,6 +39,9 @@ class TensorPlan:
     backend: str = ""        # "pallas" | "xla_op" | "fallback"
     source_shape: tuple[int, ...] = ()
     derived_from: str = ""
+    # The float tensor a float checkpoint holds under another name: a mixture-of-experts
+    # projection ``experts.gate_up_proj`` quantized as ``experts.gate_up_proj.weight``.
+    source_name: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -271,8 +274,11 @@ def _quant_fields(name: str, owner: nn.Module) -> dict:
     if fmt is None:
         return {}
     if leaf == "weight":
-        return dict(quant=fmt.label, backend=owner.backend,
-                    source_shape=(fmt.out_features, fmt.in_features))
+        fields = dict(quant=fmt.label, backend=owner.backend,
+                      source_shape=(fmt.out_features, fmt.in_features))
+        if getattr(owner, "num_experts", None):   # QuantizedExperts: made from the float parameter
+            fields.update(source_shape=owner.source_shape, source_name=prefix)
+        return fields
     if leaf in rules.QUANT_SIDECARS:
         return dict(quant=fmt.label, derived_from=f"{prefix}.weight" if prefix else "weight")
     return {}

@@ -67,17 +67,15 @@ def classify(name: str, tensor: torch.Tensor, module: nn.Module, output_embeddin
         return Rule(EMBEDDING, ("fsdp", "model"))   # float, or int8 (quantization/embedding.py)
     if isinstance(module, nn.Embedding) and leaf in QUANT_SIDECARS:
         return Rule(SCALE, ("fsdp", None))   # an int8 table's per-row scale follows its vocab split
+    if quantized and getattr(module, "num_experts", None):     # QuantizedExperts
+        return _quantized_experts_rule(mod_name, leaf, module.quant_format.groups)
     if isinstance(module, nn.Linear) or quantized:
         if leaf in QUANT_SIDECARS:
             return _sidecar_rule(_linear_rule("weight", mod_name, module is output_embedding, config),
                                  module.quant_format.groups)
         return _linear_rule(leaf, mod_name, module is output_embedding, config)
     if is_experts(module) and leaf in _EXPERT_SPECS:
-        spec = _EXPERT_SPECS[leaf][bool(module.is_transposed)]
-        # Fewer experts than fsdp devices (Mixtral's 8 on 64): FSDP's split of the other
-        # dimension instead, so no device holds every expert whole.
-        fallback = (None,) + tuple("fsdp" if a is None else a for a in spec[1:]) if rank == 3 else None
-        return Rule(EXPERTS, spec, fallback=fallback)
+        return _experts_rule(EXPERTS, _EXPERT_SPECS[leaf][bool(module.is_transposed)])
     if isinstance(module, nn.modules.conv._ConvNd) and leaf == "weight":
         return Rule(CONV, ("fsdp",) + (None,) * (rank - 1))
     if rank == 1 and ("norm" in type(module).__name__.lower() or "norm" in mod_name.lower()
@@ -103,6 +101,23 @@ _EXPERT_SPECS = {
     "up_proj_bias": (("fsdp", None), ("fsdp", None)),
     "down_proj_bias": (("fsdp", "model"), ("fsdp", "model")),
 }
+
+
+def _experts_rule(role: str, spec: tuple) -> Rule:
+    # Fewer experts than fsdp devices (Mixtral's 8 on 64): FSDP's split of the other dimension
+    # instead, so no device holds every expert whole.
+    fallback = (None,) + tuple("fsdp" if a is None else a for a in spec[1:]) if len(spec) == 3 else None
+    return Rule(role, spec, fallback=fallback)
+
+
+def _quantized_experts_rule(projection: str, leaf: str, groups: int) -> Rule:
+    """A QuantizedExperts tensor (quantization/experts.py, always stored [E, out, in]): the weight
+    as the float projection's, its scales and zero points [E, out, groups] split the same way
+    but on the input dim only when there is more than one group (blockwise)."""
+    spec = _EXPERT_SPECS[projection][False]
+    if leaf in QUANT_SIDECARS:
+        return _experts_rule(SCALE, spec[:2] + (spec[2] if groups > 1 else None,))
+    return _experts_rule(EXPERTS, spec)
 
 
 def is_experts(module: nn.Module) -> bool:

@@ -107,3 +107,28 @@ def test_int8_model_kept_quantized(int8_llama, batch, tmp_path):
     assert saved["quantization_config"]["n_bits"] == 8
     reloaded = AutoXLAModelForCausalLM.from_pretrained(tmp_path, sharding_strategy="2d")
     assert torch.equal(_logits(reloaded, ids, mask), _logits(int8_llama, ids, mask))
+
+
+def test_quantized_experts_dequantized(tmp_path, xla_devices):
+    # gpt-oss keeps its experts [experts, in, out] (quantized as [experts, out, in]): the copy
+    # holds them in transformers' layout again, and transformers itself loads what it saves.
+    from AutoXLA.architectures import save_checkpoint
+    from AutoXLA.quantization import QuantizationConfig
+    from AutoXLA.quantization.experts import QuantizedExperts
+
+    src = save_checkpoint("gpt-oss", tmp_path / "src")
+    model = AutoXLAModelForCausalLM.from_pretrained(
+        src, sharding_strategy="2d", do_quant=True, quantization_config=QuantizationConfig(bits=4))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    mask = torch.ones_like(ids)
+    plain = prepare_model_for_checkpoint(model)
+    _is_plain_cpu_model(plain)
+    assert not any(isinstance(m, QuantizedExperts) for m in plain.modules())
+    experts = plain.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, nn.Parameter) and experts.is_transposed
+    got = _logits(plain, ids, mask)
+    assert_close(got, _logits(model, ids, mask), what="dequantized vs int4 experts logits")
+    plain.save_pretrained(tmp_path / "plain")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", attn_implementation="eager")
+    # transformers' own experts forward: the same sums in another order.
+    assert_close(_logits(reloaded, ids, mask), got, what="transformers reload logits")

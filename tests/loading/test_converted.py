@@ -101,3 +101,45 @@ def test_a_missing_expert_is_refused_by_name(moe, tmp_path, xla_devices):
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ckpt.CheckpointError, match="experts are missing"):
         AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy="2d")
+
+
+@pytest.mark.parametrize("host_index", [0, 1])
+def test_quantized_pieces_are_the_fused_tensor_quantized(host_index, moe):
+    # do_quant on a hub-layout checkpoint: each expert's tensor is quantized alone by the C engine
+    # and placed in the int4 weight's and the scales' shards (modeling/pipeline.py
+    # _quantized_pieces). Every row is quantized on its own, so each shard must equal the shard
+    # of transformers' fused tensor quantized whole, on either host of two (half the experts).
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from AutoXLA.modeling.pipeline import empty_model
+    from AutoXLA.quantization import QuantizationConfig
+    from AutoXLA.quantization.linear import stored_tensors
+    from AutoXLA.quantization.quantizer import quantize_tensor
+
+    path, cfg = moe["Mixtral"], QuantizationConfig(bits=4, block_size=32)
+    plan = plan_from_config(path, "2d", DEVICES, quantization_config=cfg, scan_layers=False)
+    checkpoint = ckpt.locate(path)
+    resolved = empty_model(AutoConfig.from_pretrained(path), AutoModelForCausalLM)
+    _, converted = ckpt.renamed_keys(resolved.model, checkpoint.records)
+    renamings, converters = ckpt.weight_conversions(resolved.model)
+    composites, _ = compose(resolved.model, converted, converters, renamings,
+                            {t.source_name: t.source_shape for t in plan if t.source_name})
+    assert len(composites) == 4       # gate_up_proj and down_proj of 2 layers
+    reference = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                     .named_parameters())
+    mesh, host = _mesh("2d"), Host.simulated_host(host_index, 2, DEVICES)
+    for target, composite in composites.items():
+        leaves = {leaf: plan[f"{target}.{leaf}"] for leaf in ("weight", "weight_scale")}
+        fmt = cfg.layer_format(target, *reversed(reference[target].shape[1:]))
+        targets = {leaf: (e.spec, e.shape, getattr(torch, e.dtype)) for leaf, e in leaves.items()}
+        shards, read = composite.assemble(
+            checkpoint.records, targets, mesh, host,
+            lambda r: stored_tensors(quantize_tensor(streaming.read_whole(r), fmt)))
+        assert read == sum(checkpoint.records[p.key].nbytes for p in composite.pieces) // 2
+        fused = reference[target].detach()
+        whole = stored_tensors(quantize_tensor(fused.reshape(-1, fused.shape[-1]), fmt))
+        for leaf, e in leaves.items():
+            want = streaming.split_grid(whole[leaf].reshape(e.shape), hosts.shard_grid(e.spec, mesh))
+            blocks = hosts.device_blocks(e.spec, mesh)
+            for device in host.devices:
+                assert torch.equal(shards[leaf][device], want[blocks[device]]), (target, leaf)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from AutoXLA import backend
-from AutoXLA.architectures import ARCHITECTURES, BY_NAME, save_checkpoint
+from AutoXLA.architectures import ARCHITECTURES, BY_NAME, QUANTIZED_EXPERTS, save_checkpoint
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
-from tests.helpers import assert_close, quiet
+from tests.helpers import assert_close, check_sharding_matches_plan, quiet
 
 NEW_TOKENS = 16
 # Two rows, no padding: generate's reference is transformers' generate on the same rows.
@@ -92,25 +92,103 @@ def test_architecture_int8(name, zoo, xla_devices):
     # decisions of mixture-of-experts layers then match too, so the logits agree to float
     # tolerance, not just to a quantization SQNR (a router's top-k flip on a near tie moves
     # Mixtral's logits by ~18 dB SQNR).
-    from AutoXLA.quantization.linear import QuantizedLinear
-    from tests.reference_quant import dequantize_reference, quantize_reference
-
     model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy="2d",
                   do_quant=True, quantization_config=QuantizationConfig(bits=8))
-    ref = _reference(zoo(name))
-    quantized = {n: m.quant_format for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    assert quantized
+    ref = _quantized_reference(_reference(zoo(name)), model)
     with torch.no_grad():
-        for n, fmt in quantized.items():
-            assert not (fmt.search or fmt.offset or fmt.ragged)
-            linear = ref.get_submodule(n)
-            q, scale, zp = quantize_reference(linear.weight, fmt.bits, fmt.symmetric,
-                                              fmt.block_size, fmt.torch_scale_dtype)
-            linear.weight.copy_(dequantize_reference(q, scale, zp, fmt.bits, fmt.in_features,
-                                                     fmt.block_size))
         want = ref(IDS).logits
         got = model(IDS.to(backend.device())).logits.cpu()
     assert_close(got, want, what=f"{name} int8 logits")
+
+
+# Every expert layout (AutoXLA/architectures.py, QUANTIZED_EXPERTS; docs/models.md's table says
+# the same). int4 in blocks of 32 without the scale search (tests/reference_quant.py has none).
+@pytest.mark.parametrize("name,bits", [(name, bits) for name, widths in QUANTIZED_EXPERTS.items()
+                                       for bits in widths])
+def test_quantized_experts(name, bits, zoo, xla_devices):
+    from AutoXLA.quantization.experts import QuantizedExperts
+
+    cfg = QuantizationConfig(bits=bits, block_size=32 if bits == 4 else -1, scale_search=False)
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy="2d",
+                  do_quant=True, quantization_config=cfg)
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedExperts)}
+    assert experts, f"{name}: no expert projection was quantized"
+    stored = torch.int8 if bits == 8 else torch.uint8
+    assert all(m.weight.dtype == stored for m in experts.values())
+    plan = model.autoxla_plan
+    entry = plan[next(iter(experts)) + ".weight"]
+    assert entry.role == "experts" and entry.spec[0] == "fsdp" and entry.dtype == str(stored)[6:]
+    check_sharding_matches_plan(model, plan, model.autoxla_mesh)
+    ref = _quantized_reference(_reference(zoo(name)), model)
+    dev = backend.device()
+    with torch.no_grad():
+        want = ref(IDS).logits
+        got = model(IDS.to(dev)).logits.cpu()
+    assert_close(got, want, what=f"{name} int{bits} experts logits")
+    tokens = quiet(ref.generate, IDS, attention_mask=torch.ones_like(IDS),
+                   max_new_tokens=NEW_TOKENS, do_sample=False)
+    generated = quiet(model.generate, IDS.to(dev), attention_mask=torch.ones_like(IDS).to(dev),
+                      max_new_tokens=NEW_TOKENS, do_sample=False).cpu()
+    assert torch.equal(generated, tokens), f"{name} int{bits}: {generated[:, -NEW_TOKENS:]}"
+
+
+def test_calibration_of_a_mixture_of_experts_model(zoo, xla_devices):
+    # Calibration hooks and emulates the linears; the expert projections are quantized
+    # weight-only, outside its sensitivity report, which says they were not emulated.
+    from AutoXLA.quantization.experts import QuantizedExperts
+
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Mixtral"), sharding_strategy="2d",
+                  do_quant=True, calibration=torch.randint(0, 500, (2, 32)),
+                  quantization_config=QuantizationConfig(bits=8, quantize_activation=True))
+    report = model.autoxla_quantization
+    experts = [n for n, d in report.layers.items() if d.experts]
+    assert len(experts) == 4 and report.calibration.unmeasured_experts == 4
+    assert all(isinstance(model.get_submodule(n), QuantizedExperts) for n in experts)
+    assert "4 expert projection(s) left float" in str(report)
+
+
+def test_model_quantizer_on_the_cpu(zoo):
+    # A mixture-of-experts model the user quantizes on the CPU (ModelQuantizer: the C engine,
+    # experts included) runs there, with AutoXLA's experts forward (transformers' own read the
+    # float parameter), and equals the reference-quantized transformers.
+    from AutoXLA.quantization import ModelQuantizer
+
+    cpu = ModelQuantizer(QuantizationConfig(bits=4, block_size=32, scale_search=False)
+                         ).quantize_model(_reference(zoo("Mixtral")))
+    assert cpu.config._experts_implementation == "autoxla_experts"
+    ref = _quantized_reference(_reference(zoo("Mixtral")), cpu)
+    with torch.no_grad():
+        assert_close(cpu(IDS).logits, ref(IDS).logits, what="CPU int4 Mixtral logits")
+
+
+def _quantized_reference(ref, model):
+    """``ref`` (plain transformers, fp32) with every weight ``model`` holds quantized replaced by
+    its round trip through tests/reference_quant.py: a linear's (out, in) rows, and an expert
+    projection's [experts, out, in] rows (gpt-oss keeps [experts, in, out]: transposed for it)."""
+    from AutoXLA.quantization.experts import QuantizedExperts
+    from AutoXLA.quantization.linear import QuantizedLinear
+    from tests.reference_quant import dequantize_reference, quantize_reference
+
+    quantized = {n: m for n, m in model.named_modules()
+                 if isinstance(m, (QuantizedLinear, QuantizedExperts))}
+    assert quantized
+    with torch.no_grad():
+        for n, m in quantized.items():
+            fmt = m.quant_format
+            assert not (fmt.search or fmt.offset or fmt.ragged)
+            if isinstance(m, QuantizedLinear):
+                weight = ref.get_submodule(n).weight
+            else:
+                owner, _, leaf = n.rpartition(".")
+                weight = getattr(ref.get_submodule(owner), leaf)
+            rows = weight.transpose(1, 2) if getattr(m, "source_transposed", False) else weight
+            shape = rows.shape
+            q, scale, zp = quantize_reference(rows.reshape(-1, shape[-1]), fmt.bits, fmt.symmetric,
+                                              fmt.block_size, fmt.torch_scale_dtype)
+            back = dequantize_reference(q, scale, zp, fmt.bits, fmt.in_features,
+                                        fmt.block_size).reshape(shape)
+            rows.copy_(back)      # a view of ``weight`` when transposed
+    return ref
 
 
 # -- regressions at real defaults (issue 25) -------------------------------------------------
@@ -186,10 +264,12 @@ def test_mixtral_under_the_remaining_strategies(strategy, zoo, expected, xla_dev
     _check(model, "Mixtral", expected)
 
 
-def test_experts_are_sharded_as_planned_and_generation_compiles_twice(zoo, xla_devices):
-    from tests.helpers import check_sharding_matches_plan
-
-    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Mixtral"), sharding_strategy="2d")
+@pytest.mark.parametrize("bits", [None, 4])
+def test_experts_are_sharded_as_planned_and_generation_compiles_twice(bits, zoo, xla_devices):
+    quant = {} if bits is None else dict(do_quant=True,
+                                         quantization_config=QuantizationConfig(bits=bits))
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("Mixtral"), sharding_strategy="2d",
+                  **quant)
     plan = model.autoxla_plan
     experts = [t for t in plan if t.role == "experts"]
     assert experts and all(t.spec[0] == "fsdp" and t.shard_shape[0] == 2 for t in experts)

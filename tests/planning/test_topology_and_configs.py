@@ -127,3 +127,26 @@ def test_mixture_of_experts_forecast_offline(hub_id, experts, per_device):
         assert moving and all(op.axes == ("fsdp",) for op in moving)
         assert not any(op.what.startswith("weight") and ".experts." in op.what for op in report.ops)
     assert any("every token runs through all" in n for n in forecast.notes)
+
+
+def test_quantized_experts_forecast_offline():
+    # int8 experts (quantization/experts.py): half the bytes of bf16 plus their scales, still
+    # split by expert, and the forecast still moves tokens to them rather than their weights.
+    from AutoXLA.modeling.empty import load_config
+    from AutoXLA.planning.communication import communication
+    from AutoXLA.planning.from_config import plan_from_config
+    from AutoXLA.quantization import QuantizationConfig
+
+    path = shipped_config_dir("Qwen/Qwen3-30B-A3B")
+    bf16 = plan_from_config(path, "fsdp", 64)
+    int8 = plan_from_config(path, "fsdp", 64, quantization_config=QuantizationConfig(bits=8))
+    experts = [t for t in int8 if t.role == "experts"]
+    assert experts and all(t.dtype == "int8" and t.spec[0] == "fsdp" for t in experts)
+    float_bytes = sum(t.nbytes for t in bf16 if t.role == "experts" and len(t.shape) == 3)
+    assert sum(t.nbytes for t in experts) * 2 == float_bytes
+    report = communication(int8, batch=64, train=False)
+    moving = [op for op in report.ops if "to the experts" in op.what]
+    assert len(moving) == load_config(path).num_hidden_layers     # one per MoE layer
+    assert not any(".experts." in op.what and op.what.startswith("weight") for op in report.ops)
+    # The quantized linears (attention) are gathered as weights.
+    assert any(op.what.startswith("weight") and "self_attn" in op.what for op in report.ops)

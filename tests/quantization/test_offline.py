@@ -48,12 +48,27 @@ def _files(d):
     return {f: (d / f).read_bytes() for f in sorted(os.listdir(d))}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_offline_equals_quantizing_at_load_time(name, checkpoints, tmp_path, xla_devices):
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A shrunk Mixtral in the hub's layout (one tensor per expert), from its config class."""
+    from AutoXLA.architectures import save_checkpoint
+
+    return save_checkpoint("Mixtral", tmp_path_factory.mktemp("mixtral"))
+
+
+# A mixture-of-experts checkpoint in the hub's layout: its experts are stacked and quantized
+# (quantization/experts.py) the same way offline and at load.
+CASES = [("llama", name) for name in CONFIGS] + [("mixtral", "int4-search")]
+
+
+@pytest.mark.parametrize("source,name", CASES)
+def test_offline_equals_quantizing_at_load_time(source, name, checkpoints, mixtral, tmp_path,
+                                                xla_devices):
     cfg = CONFIGS[name]
-    at_load = _load(checkpoints["llama"], do_quant=True, quantization_config=cfg)
+    src = mixtral if source == "mixtral" else checkpoints[source]
+    at_load = _load(src, do_quant=True, quantization_config=cfg)
     at_load.save_pretrained(tmp_path / "saved", max_shard_size="20KB")
-    out = quantize_checkpoint(checkpoints["llama"], tmp_path / "offline", cfg,
+    out = quantize_checkpoint(src, tmp_path / "offline", cfg,
                               max_shard_size="20KB", progress=False)
     # Every file, byte for byte: config.json (quantization_config, format_version), the index,
     # the shards (the same tensors in the same files at the same offsets).
