@@ -13,7 +13,7 @@ from AutoXLA import backend
 from AutoXLA.architectures import ARCHITECTURES, BY_NAME, QUANTIZED_EXPERTS, save_checkpoint
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
-from tests.helpers import assert_close, check_sharding_matches_plan, quiet
+from tests.helpers import SQNR_FLOOR_DB, assert_close, check_sharding_matches_plan, quiet, sqnr_db
 
 NEW_TOKENS = 16
 # Two rows, no padding: generate's reference is transformers' generate on the same rows.
@@ -86,7 +86,7 @@ def test_architecture_under_other_strategies(name, strategy, zoo, expected, xla_
 
 
 @pytest.mark.parametrize("name", SUBSET)
-def test_architecture_int8(name, zoo, xla_devices):
+def test_architecture_int8(name, zoo, expected, xla_devices):
     # The reference is transformers with every weight AutoXLA quantizes replaced by its int8
     # round trip from tests/reference_quant.py (the C core's arithmetic in plain torch): routing
     # decisions of mixture-of-experts layers then match too, so the logits agree to float
@@ -99,6 +99,12 @@ def test_architecture_int8(name, zoo, xla_devices):
         want = ref(IDS).logits
         got = model(IDS.to(backend.device())).logits.cpu()
     assert_close(got, want, what=f"{name} int8 logits")
+    # And against the float model, the project's int8 floor (tests/helpers.py) where it measures
+    # quantization: in a mixture of experts a router's top-k flip on a near tie dominates at this
+    # size (17.6 to 25.9 dB measured on the tiny Mixtral, by seed): there the reference above is
+    # the check.
+    if not BY_NAME[name].moe:
+        assert sqnr_db(expected(name)[0], got) >= SQNR_FLOOR_DB[8], f"{name} int8 vs float"
 
 
 # Every expert layout (AutoXLA/architectures.py, QUANTIZED_EXPERTS; docs/models.md's table says
