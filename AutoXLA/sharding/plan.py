@@ -105,10 +105,16 @@ class Plan:
     def bytes_per_device(self) -> int:
         return sum(t.bytes_per_device for t in self.tensors if not t.tied_to)
 
+    def _quantized_count(self) -> str:
+        """"14 linear(s)", or "8 linear(s) and 4 expert projection(s)"."""
+        experts = sum(1 for t in self.tensors if t.backend and t.role == rules.EXPERTS)
+        linears = sum(1 for t in self.tensors if t.backend) - experts
+        return f"{linears} linear(s)" + (f" and {experts} expert projection(s)" if experts else "")
+
     def summary(self) -> str:
         """One line: model, strategy, mesh, bytes in all and per device."""
         total, per_dev = self.total_bytes(), self.bytes_per_device()
-        quant = f", {sum(1 for t in self.tensors if t.backend)} linears quantized" if self.quantization else ""
+        quant = f", {self._quantized_count()} quantized" if self.quantization else ""
         return (f"{self.model_class}: strategy {self.strategy}, mesh {self.mesh} on "
                 f"{self.mesh.num_devices} devices, {self.dtype}{quant}; {total / 2**20:.1f} MiB, "
                 f"{per_dev / 2**20:.1f} MiB per device, "
@@ -154,9 +160,9 @@ class Plan:
             f"total {total / 2**20:.2f} MiB in {len(self.parameters)} parameters; per device "
             f"{per_dev / 2**20:.2f} MiB ({per_dev / max(total, 1):.1%} of the model); "
             f"{n_rep} tensor(s) replicated for divisibility")
-        n_quant = sum(1 for t in self.tensors if t.backend)
-        if n_quant:
-            lines.append(f"{n_quant} linear(s) quantized; their scales and zero points included above")
+        if any(t.backend for t in self.tensors):
+            lines.append(f"{self._quantized_count()} quantized; their scales and zero points "
+                         "included above")
         if self.stack is not None:
             lines.append(self.stack.describe())
         if self.attention is not None:
