@@ -61,13 +61,13 @@ def place(model: nn.Module, plan) -> None:
     """Give each experts module ``autoxla_experts`` (a model built by the user and passed to
     from_model asked for another), and where the plan split its experts over fsdp, tell it to
     keep its intermediates split that way (``autoxla_dispatch_spec``)."""
+    by_expert = plan.split_by_expert()
     for name, module in model.named_modules():
         if not rules.is_experts(module):
             continue
         use_on(module)
         leaf = "gate_up_proj" if module.has_gate else "up_proj"
-        entry = next((e for e in (f"{name}.{leaf}", f"{name}.{leaf}.weight") if e in plan), None)
-        if entry is not None and plan[entry].spec[0] == "fsdp":
+        if {f"{name}.{leaf}", f"{name}.{leaf}.weight"} & by_expert:
             module.autoxla_dispatch_spec = (None, "fsdp", None)
 
 

@@ -142,15 +142,14 @@ def communication(plan, *, batch: int, seq: int = 1, train: bool = True) -> Comm
     add = report.ops.append
     # The weights: parameters, and the quantized tensors (buffers, read but never trained).
     params = [t for t in plan.tensors if not t.tied_to and (not t.is_buffer or t.quant)]
-    by_expert = {t.name for t in params if t.role == rules.EXPERTS and mesh.fsdp > 1
-                 and _dim_on(t, "fsdp") == 0}
+    by_expert = plan.split_by_expert()
     for t in params:
         layer = _layer(t.name)
         fsdp_dim = _dim_on(t, "fsdp") if mesh.fsdp > 1 else None
         gathered = _restore(t.shard_shape, fsdp_dim, mesh.fsdp)
         trained = not t.is_buffer
-        if t.name in by_expert or t.derived_from in by_expert:   # tokens move instead
-            if t.name in by_expert:
+        if t.name in by_expert:   # tokens move instead
+            if not t.derived_from:    # the weight, not its scales
                 _expert_parallel(t, mesh, tokens, act, train, layer, add, _hidden(params))
             if train and trained and mesh.data > 1:
                 add(CommOp("all-reduce", f"gradient {t.name}", "gradient", t.dtype, t.shard_shape,

@@ -173,13 +173,12 @@ def gathered_weights(plan, train: bool) -> Line | None:
     if fsdp == 1:
         return None
     groups: dict[str, int] = {}
-    by_expert = {t.name for t in plan.tensors
-                 if t.role == rules.EXPERTS and _uses(t.spec[:1], "fsdp")}
+    by_expert = plan.split_by_expert()
     for t in plan.tensors:
         weight = not t.is_buffer or t.quant          # quantized weights and scales are buffers
         if t.tied_to or not weight or t.role == rules.EMBEDDING or not _uses(t.spec, "fsdp"):
             continue
-        if t.name in by_expert or t.derived_from in by_expert:   # split by expert: stays
+        if t.name in by_expert:   # split by expert: stays
             continue
         m = _LAYER.search(t.name)
         key = f"layer {m.group(1)}" if m else t.name

@@ -94,9 +94,3 @@ def quantize_experts(weight: torch.Tensor, module: QuantizedExperts, name: str =
     return q._replace(**{k: getattr(q, k).reshape(experts, -1, getattr(q, k).shape[-1])
                          for k in ("q", "scale", "zero_point", "offset") if getattr(q, k) is not None})
 
-
-def float_weight(module: QuantizedExperts, dtype: torch.dtype, tensors: dict) -> torch.Tensor:
-    """The float parameter (in its source layout) from ``tensors`` (weight, weight_scale, ...)."""
-    w = dequantize(tensors["weight"], tensors["weight_scale"], tensors.get("weight_zero_point"),
-                   module.quant_format, dtype, tensors.get("weight_offset"))
-    return w.transpose(1, 2).contiguous() if module.source_transposed else w

@@ -94,6 +94,14 @@ class Plan:
     def parameters(self) -> list[TensorPlan]:
         return [t for t in self.tensors if not t.is_buffer]
 
+    def split_by_expert(self) -> set[str]:
+        """The expert tensors split by expert over fsdp (expert parallelism), with the quantized
+        scales that follow them: they stay on their devices, the tokens travel to them."""
+        split = {t.name for t in self.tensors if t.role == rules.EXPERTS and t.spec
+                 and t.spec[0] is not None and "fsdp" in
+                 ((t.spec[0],) if isinstance(t.spec[0], str) else t.spec[0])}
+        return split | {t.name for t in self.tensors if t.derived_from in split}
+
     @property
     def replicated_for_divisibility(self) -> list[TensorPlan]:
         return [t for t in self.tensors if t.reason]
