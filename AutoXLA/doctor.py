@@ -2,7 +2,7 @@
 
 Sections: versions, the C core (ABI, the ISA it selected), the XLA devices (kind, count, SPMD),
 Pallas, the persistent compilation cache's self-test and, for a checkpoint, which attention kernel
-each decoder layer can use. The XLA runtime starts only in child processes with a timeout, so a
+each decoder layer can use. ``--selftest`` runs the Pallas kernels themselves (selftest.py). The XLA runtime starts only in child processes with a timeout, so a
 runtime that hangs (a TPU held by another process) is reported instead of hanging the command.
 """
 from __future__ import annotations
@@ -116,8 +116,7 @@ def attention(path, seq_len: int | None = None, batch: int | None = None,
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     layers = getattr(text, "num_hidden_layers", 0)
     seq_len = seq_len or getattr(text, "max_position_embeddings", None)
-    shape = mesh_shape_for(normalize_strategy(strategy), device_count)
-    batch_shards = shape.data * shape.fsdp if hasattr(shape, "data") else 1
+    mesh_shape_for(normalize_strategy(strategy), device_count)   # refuses a bad strategy here
     softcap = getattr(text, "attn_logit_softcapping", None)
     types = getattr(text, "layer_types", None)
     window = getattr(text, "sliding_window", None)
@@ -131,15 +130,11 @@ def attention(path, seq_len: int | None = None, batch: int | None = None,
             "no sliding window in flash" if w is not None else "no logit soft-cap in flash"]
         if w is not None and softcap is not None:
             flash = ["no sliding window or logit soft-cap in flash"]
-        splash = []
-        misfit = tpu.splash_misfit(seq_len, cfg) if seq_len else None
-        if misfit:
-            splash.append(misfit)
-        if batch is not None and batch % batch_shards:
-            splash.append(f"the batch {batch} does not divide data*fsdp = {batch_shards}")
+        length = tpu.splash_length(seq_len, cfg) if seq_len else None
+        splash = "yes" if length in (None, seq_len) else f"yes, padded to {length} positions"
         rows.append({"layer": i, "window": w, "softcap": softcap,
                      "xla_flash_attention": "yes" if not flash else "; ".join(flash),
-                     "splash_attention": "yes" if not splash else "; ".join(splash)})
+                     "splash_attention": splash})
     lanes = ("" if head_dim % 128 == 0 else
              f"head_dim {head_dim} is not a multiple of the TPU's 128 lanes: the Pallas kernels "
              "take it (no check refuses it) but pad each head to the lanes, so part of every "
@@ -222,9 +217,22 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=_TIMEOUT, help="seconds the XLA runtime may "
                    f"take to start (default {_TIMEOUT})")
     p.add_argument("--json", action="store_true", help="print JSON instead of the report")
+    p.add_argument("--selftest", action="store_true", help="run a tiny model through every "
+                   "Pallas kernel path against eager (off a TPU: the emulated kernels, which "
+                   "need jax); pass or fail with the numbers")
 
 
 def run(args) -> int:
+    if args.selftest:
+        from . import selftest
+
+        where, checks = selftest.run()
+        if args.json:
+            print(json.dumps({"where": where, "checks": [dict(vars(c), ok=c.ok) for c in checks]},
+                             indent=1))
+        else:
+            print(selftest.describe(where, checks))
+        return 0 if all(c.ok for c in checks) else 1
     for name in ("seq", "batch"):
         value = getattr(args, name)
         if value is not None and value < 1:

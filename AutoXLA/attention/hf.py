@@ -150,7 +150,7 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
 
     from .. import backend
 
-    if structured and backend.on_tpu() and layer.mesh is not None:
+    if structured and backend.runs_pallas() and layer.mesh is not None:
         out = _on_tpu(layer, query, key, value, scale, window, softcap, segments)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
@@ -187,18 +187,7 @@ def _on_tpu(layer, query, key, value, scale, window, softcap, segments):
     express the call and the portable path must run instead."""
     from . import tpu
 
-    sizes = dict(zip(layer.mesh.axis_names, layer.mesh.mesh_shape))
     if layer.kernel == "splash_attention":
-        batch_shards = sizes.get("data", 1) * sizes.get("fsdp", 1)
-        if query.shape[0] % batch_shards:
-            warn_once(f"splash-batch-{batch_shards}", "splash_attention needs the batch (%d) to "
-                      "divide data*fsdp = %d; using the portable path", query.shape[0], batch_shards)
-            return None
-        misfit = tpu.splash_misfit(query.shape[2], layer.config)
-        if misfit:
-            warn_once(f"splash-blocks-{misfit}", "splash_attention: %s; using the portable path "
-                      "(pad inputs to a multiple of the block size to use the kernel)", misfit)
-            return None
         return tpu.run_splash(tpu.splash_arguments(
             query, key, value, scale=scale, window=window, softcap=softcap,
             segment_ids=segments, mesh=layer.mesh, cfg=layer.config))

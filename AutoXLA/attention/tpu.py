@@ -1,8 +1,11 @@
-"""The only module that calls torch_xla's Pallas attention kernels (TPU only, never run here).
+"""The only module that calls torch_xla's Pallas attention kernels: on a TPU, or off one in
+interpret mode (AutoXLA/kernels/interpret.py, how the tests run them).
 
 Each kernel has an ``*_arguments`` function that builds exactly what the call receives, so the
-translation from transformers' conventions is unit-tested without a TPU, and a ``run_*``
-function that makes the call. Facts the translation relies on (TORCH_XLA_NOTES.md section 5):
+translation from transformers' conventions is unit-tested on its own, and a ``run_*``
+function that makes the call. A batch that does not fill whole shards of the spec's batch axes
+is padded with zero rows, and a sequence the kernel's blocks cannot tile with zero positions at
+the end (kernel_length), for the call; both are sliced off after it. Facts the translation relies on (TORCH_XLA_NOTES.md section 5):
 
 - ``flash_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale, partition_spec=,
   mesh=)``: [B, H, S, D], no GQA (kv heads are repeated here), no soft-cap, no window.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .config import AttentionConfig
@@ -28,6 +32,30 @@ def default_qkv_spec(num_heads: int, mesh) -> tuple:
     return (("data", "fsdp"), heads, None, None)
 
 
+def batch_shards(spec: tuple, mesh) -> int:
+    """How many pieces ``spec`` cuts the batch into on ``mesh``."""
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    axes = spec[0] if spec[0] is not None else ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([sizes.get(a, 1) for a in axes]))
+
+
+def _pad_rows(t: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``t`` with zero rows appended to its batch up to ``rows``. Both kernels need whole
+    shards: torch_xla's flash wrapper rebuilds the global shape as shard x mesh (1 row on 8
+    devices came back as 8 and crashed the next matmul), and its splash wrapper asserts. A zero
+    row attends uniformly over zero keys: finite, and sliced away after the call."""
+    if t is None or t.shape[0] == rows:
+        return t
+    pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
+    return torch.cat([t, pad], dim=0)
+
+
+def _whole_shards(spec: tuple, mesh, batch: int) -> int:
+    shards = batch_shards(spec, mesh)
+    return -(-batch // shards) * shards
+
+
 def flash_supports(window: int | None, softcap: float | None) -> bool:
     """Pallas flash attention has neither a sliding window nor a logit soft-cap."""
     return window is None and softcap is None
@@ -35,30 +63,65 @@ def flash_supports(window: int | None, softcap: float | None) -> bool:
 
 def flash_arguments(q, k, v, *, scale: float, causal: bool, segment_ids, mesh,
                     cfg: AttentionConfig) -> dict:
-    groups = q.shape[1] // k.shape[1]
+    batch, groups = q.shape[0], q.shape[1] // k.shape[1]
     if groups > 1:   # transformers' repeat_kv order: kv head h serves query heads h*G .. h*G+G-1
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     spec = cfg.qkv_partition_spec or default_qkv_spec(q.shape[1], mesh)
+    rows, seq = _whole_shards(spec, mesh, q.shape[0]), q.shape[2]
+    length = flash_length(seq)
+    q, k, v = (_pad_positions(_pad_rows(t, rows), length, dim=2) for t in (q, k, v))
+    segment_ids = _pad_positions(_pad_rows(segment_ids, rows), length, dim=1)
     return dict(q=q, k=k, v=v, causal=causal, q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids, sm_scale=scale, partition_spec=spec, mesh=mesh)
+                kv_segment_ids=segment_ids, sm_scale=scale, partition_spec=spec, mesh=mesh,
+                rows=batch, positions=seq)
 
 
 def run_flash(arguments: dict) -> torch.Tensor:
     from torch_xla.experimental.custom_kernel import flash_attention
 
     a = dict(arguments)
-    return flash_attention(a.pop("q"), a.pop("k"), a.pop("v"), **a)
+    rows, positions = a.pop("rows"), a.pop("positions")
+    return flash_attention(a.pop("q"), a.pop("k"), a.pop("v"), **a)[:rows, :, :positions]
 
 
-def splash_misfit(seq_len: int, cfg: AttentionConfig) -> str | None:
-    """Why splash cannot take this sequence length, or None. Each of its block sizes is
-    min(configured, seq_len) and must divide seq_len (splash does not pad, flash does)."""
-    for key in ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
-                "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq"):
-        block = min(getattr(cfg, key), seq_len)
-        if seq_len % block:
-            return f"{key}={block} does not divide the sequence length {seq_len}"
-    return None
+_SPLASH_BLOCKS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
+                  "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
+LANES = 128   # splash's key blocks must be multiples of the TPU's lanes
+
+
+def splash_length(seq_len: int, cfg: AttentionConfig) -> int:
+    """The sequence length splash runs this call at (kernel_length over its blocks). Splash does
+    not pad at all."""
+    return kernel_length(seq_len, [getattr(cfg, key) for key in _SPLASH_BLOCKS])
+
+
+def flash_length(seq_len: int) -> int:
+    """The sequence length flash runs this call at (kernel_length over torch_xla's blocks).
+    torch_xla's wrapper pads the keys to its key block but takes the block as min(512, length),
+    so a 12-token call asked the kernel for 12-key blocks, which it refuses (whole lanes only)."""
+    from torch_xla.experimental.custom_kernel import FlashAttention
+
+    return kernel_length(seq_len, list(FlashAttention.DEFAULT_BLOCK_SIZES.values()),
+                         ignore_below=LANES)
+
+
+def kernel_length(seq_len: int, configured: list[int], ignore_below: int = 0) -> int:
+    """The shortest length at or above ``seq_len`` that every block (min(configured, length))
+    divides and whose blocks fill whole lanes (128). AutoXLA appends the positions, which no
+    real query sees under the causal mask, and slices them off after the call. Blocks smaller
+    than ``ignore_below`` (flash's batch block) are not sequence blocks."""
+    configured = [b for b in configured if b >= ignore_below]
+    length = -(-seq_len // LANES) * LANES
+    while True:
+        blocks = [min(b, length) for b in configured]
+        if any(b % LANES for b in blocks):   # a configured block below the length, off the lanes
+            raise ValueError(f"attention block sizes {sorted(set(configured))} include one that "
+                             f"is not a multiple of {LANES}: the TPU kernels tile keys in whole "
+                             "lanes; use multiples of 128 in attention_config")
+        bad = [b for b in blocks if length % b]
+        if not bad:
+            return length
+        length = -(-length // max(bad)) * max(bad)
 
 
 def splash_arguments(q, k, v, *, scale: float, window: int | None, softcap: float | None,
@@ -68,8 +131,21 @@ def splash_arguments(q, k, v, *, scale: float, window: int | None, softcap: floa
         cfg.with_mesh(mesh), qkv_partition_spec=spec,
         attentiontype_local_sliding=window is not None,
         slide_window_size=None if window is None else window - 1)
-    return dict(q=q * scale, k=k, v=v, config=splash_json(layer_cfg),
-                decoder_segment_ids=segment_ids, causal=True, attn_logits_soft_cap=softcap)
+    batch, rows = q.shape[0], _whole_shards(spec, mesh, q.shape[0])
+    seq, length = q.shape[2], splash_length(q.shape[2], cfg)
+    q, k, v = (_pad_positions(_pad_rows(t, rows), length, dim=2) for t in (q * scale, k, v))
+    segment_ids = _pad_positions(_pad_rows(segment_ids, rows), length, dim=1)
+    return dict(q=q, k=k, v=v, config=splash_json(layer_cfg),
+                decoder_segment_ids=segment_ids, causal=True, attn_logits_soft_cap=softcap,
+                rows=batch, positions=seq)
+
+
+def _pad_positions(t: torch.Tensor | None, length: int, dim: int) -> torch.Tensor | None:
+    if t is None or t.shape[dim] == length:
+        return t
+    shape = list(t.shape)
+    shape[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
 def splash_json(cfg: AttentionConfig) -> str:
@@ -82,7 +158,33 @@ def splash_json(cfg: AttentionConfig) -> str:
 
 
 def run_splash(arguments: dict) -> torch.Tensor:
-    from torch_xla.experimental.splash_attention import splash_attention
-
     a = dict(arguments)
-    return splash_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("config"), **a)
+    rows, positions = a.pop("rows"), a.pop("positions")
+    out = _Splash.apply(a["q"], a["k"], a["v"], a["config"], a["decoder_segment_ids"],
+                        a["causal"], a["attn_logits_soft_cap"])
+    return out[:rows, :, :positions]
+
+
+class _Splash(torch.autograd.Function):
+    """torch_xla's splash attention through its own forward and backward ops
+    (``sa_custom_forward``/``sa_custom_backward``). Not its ``splash_attention``: that one passes
+    the logit soft-cap, a float, to ``save_for_backward``, so every Gemma 2 call raised
+    "save_for_backward can only save variables, but argument 4 is of type float" (torch_xla
+    2.9.0; found running the kernel in interpret mode)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, config, segment_ids, causal, softcap):
+        from torch_xla.experimental.splash_attention import sa_custom_forward
+
+        ctx.save_for_backward(q, k, v, segment_ids)
+        ctx.config, ctx.causal, ctx.softcap = config, causal, softcap
+        return sa_custom_forward(q, k, v, config, segment_ids, causal, softcap)[0]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from torch_xla.experimental.splash_attention import sa_custom_backward
+
+        q, k, v, segment_ids = ctx.saved_tensors
+        dq, dk, dv = sa_custom_backward(grad_output, q, k, v, ctx.config, segment_ids,
+                                        ctx.causal, ctx.softcap)
+        return dq, dk, dv, None, None, None, None

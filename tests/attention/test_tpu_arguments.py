@@ -1,5 +1,5 @@
-"""What AutoXLA hands torch_xla's Pallas kernels. The kernels need a TPU and never run here; these
-tests pin the translation from transformers' conventions to the kernels' arguments."""
+"""What AutoXLA hands torch_xla's Pallas kernels: the translation from transformers' conventions
+to the kernels' arguments, pinned on its own (tests/tpu_emulation runs the kernels themselves)."""
 import json
 
 import numpy as np
@@ -36,9 +36,16 @@ def test_flash_repeats_kv_heads_in_transformers_order():
     seg = torch.ones(2, 16, dtype=torch.int32)
     a = tpu.flash_arguments(q, k, v, scale=0.5, causal=True, segment_ids=seg, mesh=mesh,
                             cfg=AttentionConfig())
-    assert torch.equal(a["k"], repeat_kv(k, 4)) and torch.equal(a["v"], repeat_kv(v, 4))
-    assert a["q"] is q and a["sm_scale"] == 0.5 and a["causal"] is True
-    assert a["q_segment_ids"] is seg and a["kv_segment_ids"] is seg and a["mesh"] is mesh
+    # Batch 2 on data*fsdp = 4 and 16 positions: zero rows fill the shards and zero positions
+    # one 128-lane key block; the call's output keeps 2 rows of 16.
+    assert a["rows"] == 2 and a["positions"] == 16 and a["q"].shape[:3] == (4, 8, 128)
+    assert not a["q"][2:].any() and not a["k"][:, :, 16:].any()
+    k4, v4 = a["k"][:2, :, :16], a["v"][:2, :, :16]
+    assert torch.equal(k4, repeat_kv(k, 4)) and torch.equal(v4, repeat_kv(v, 4))
+    assert torch.equal(a["q"][:2, :, :16], q) and a["sm_scale"] == 0.5 and a["causal"] is True
+    assert torch.equal(a["q_segment_ids"][:2, :16], seg)
+    assert a["kv_segment_ids"] is a["q_segment_ids"]
+    assert a["mesh"] is mesh
     # 8 heads divide model=2: batch over (data, fsdp), heads over model.
     assert a["partition_spec"] == (("data", "fsdp"), "model", None, None)
 
@@ -74,9 +81,13 @@ def test_splash_arguments():
     a = tpu.splash_arguments(q, k, v, scale=0.25, window=6, softcap=50.0, segment_ids=seg,
                              mesh=mesh, cfg=AttentionConfig(sa_block_q=256))
     # No sm_scale in splash: q arrives pre-scaled; k and v keep their kv heads (GQA is native).
-    assert torch.equal(a["q"], q * 0.25) and a["k"] is k and a["v"] is v
+    # 2 rows on data*fsdp = 8 and 16 positions: zeros up to 8 rows and one 128-lane block.
+    assert a["rows"] == 2 and a["positions"] == 16 and a["q"].shape[:3] == (8, 8, 128)
+    assert not a["k"][2:].any() and not a["k"][:, :, 16:].any()
+    assert torch.equal(a["q"][:2, :, :16], q * 0.25) and torch.equal(a["k"][:2, :, :16], k)
+    assert torch.equal(a["v"][:2, :, :16], v)
     assert a["causal"] is True and a["attn_logits_soft_cap"] == 50.0
-    assert a["decoder_segment_ids"] is seg
+    assert torch.equal(a["decoder_segment_ids"][:2, :16], seg)
     # torch_xla parses the JSON back into its own config, mesh string included.
     cfg = SplashAttentionConfig.from_json(a["config"])
     assert cfg.mesh == str(mesh) and cfg.sa_block_q == 256 and cfg.sa_block_kv == 512
@@ -89,13 +100,23 @@ def test_splash_arguments():
     assert not full.attentiontype_local_sliding and full.slide_window_size is None
 
 
-def test_splash_blocks_must_divide_the_sequence():
+def test_splash_pads_the_sequence_to_blocks_it_can_take():
+    # Splash neither pads nor takes key blocks that are not whole lanes (128): AutoXLA appends
+    # positions up to a length every block divides, and slices them off after the call.
     cfg = AttentionConfig(sa_block_q=512, sa_block_kv=256)
-    assert tpu.splash_misfit(1024, cfg) is None
-    assert tpu.splash_misfit(100, cfg) is None            # one block of 100
-    assert "sa_block_q=512 does not divide the sequence length 600" in tpu.splash_misfit(600, cfg)
-    mixed = AttentionConfig(sa_block_q=256, sa_block_kv=512)
-    assert "sa_block_kv=512 does not divide the sequence length 768" in tpu.splash_misfit(768, mixed)
+    assert tpu.splash_length(1024, cfg) == 1024
+    assert tpu.splash_length(12, cfg) == 128 and tpu.splash_length(100, cfg) == 128
+    assert tpu.splash_length(600, cfg) == 1024          # 512-blocks: 600 -> 640 -> 1024
+    assert tpu.splash_length(768, AttentionConfig(sa_block_q=256, sa_block_kv=512)) == 1024
+    # Flash with torch_xla's blocks (512, and 1024 for dq): 12 -> 128, 600 -> 1024.
+    assert tpu.flash_length(12) == 128 and tpu.flash_length(600) == 1024
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        tpu.splash_length(1000, AttentionConfig(sa_block_q=100))
+    q, k, v = _qkv(s=20)
+    a = tpu.splash_arguments(q, k, v, scale=1.0, window=None, softcap=None, segment_ids=None,
+                             mesh=FakeMesh((1, 8, 1)), cfg=cfg)
+    assert a["q"].shape == (8, 8, 128, 4) and a["positions"] == 20 and a["rows"] == 2
+    assert torch.equal(a["k"][:2, :, :20], k) and not a["k"][:, :, 20:].any()
 
 
 @pytest.mark.parametrize("window", [1, 3, 6, 40])
@@ -119,7 +140,7 @@ def test_splash_mask_equals_transformers_sliding_window(window):
     w = json.loads(a["config"])["slide_window_size"]
     i, j = np.arange(s)[:, None], np.arange(s)[None, :]
     splash = (j <= i) & (i - w <= j) & (j <= i + w)
-    seg = a["decoder_segment_ids"].numpy()
+    seg = a["decoder_segment_ids"][:2, :s].numpy()
     splash = splash[None] & (seg[:, :, None] == seg[:, None, :])
     real = padding.numpy()
     assert np.array_equal(splash[real], expected.numpy()[real])
