@@ -377,6 +377,14 @@ def on_tpu() -> bool:
     return xr.device_type() == "TPU"
 
 
+def runs_pallas() -> bool:
+    """True when AutoXLA's Pallas call sites take their TPU branch: on a TPU, or off one once
+    kernels/interpret.py has switched this process to the emulated (interpreted) kernels."""
+    from .kernels import interpret
+
+    return interpret.enabled() or on_tpu()
+
+
 def has_quantized_matmul() -> bool:
     """Whether torch_xla (which provides torch.ops.xla.quantized_matmul) is installed; checked
     without importing it, so that planning stays free of torch_xla."""
@@ -392,11 +400,53 @@ def quantized_matmul():
     return torch.ops.xla.quantized_matmul
 
 
-def pallas_quantized_matmul():
-    """torch.ops.xla.quantized_matmul_int8, the Pallas TPU kernel (TPU only)."""
-    _xla()
-    import torch_xla.experimental.custom_kernel  # noqa: F401  (registers the op)
-    return torch.ops.xla.quantized_matmul_int8
+def tpu_generation() -> int | None:
+    """The TPU's generation (4, 5, 6, ...), or None off a TPU (the emulated kernels included)."""
+    if not on_tpu():
+        return None
+    from torch_xla._internal import tpu
+    return int(tpu.version())
+
+
+def pallas_target():
+    """Where the Pallas kernels would run, as quantization/backends.py's ``tpu`` reads it: the
+    TPU generation, True for the emulated kernels, False when they cannot run."""
+    from .kernels import interpret
+
+    if interpret.enabled():
+        return True
+    return tpu_generation() or False
+
+
+def pallas_quantized_matmul(x, w, scale, *, quantize_activation: bool, batch_block_size: int,
+                            out_block_size: int, in_block_size: int) -> torch.Tensor:
+    """torch_xla's Pallas int8 matmul kernel with the tiles given, through ``call_jax`` (its op,
+    ``torch.ops.xla.quantized_matmul_int8``, looks tiles up itself and silently runs XLA's
+    matmul on a miss). Under the global mesh each device runs the kernel on its own block inside
+    torch_xla's manual-sharding region, as torch_xla's own kernel wrappers do: rows over
+    (data, fsdp) when they divide, outputs over model when they divide; the contraction is
+    whole on each device (the weight gathered over it, as FSDP does for a plain linear)."""
+    _, _, xs = _xla()
+    from torch_xla.core.xla_builder import call_jax
+    from torch_xla.experimental.pallas_kernels.quantized_matmul_kernel import (
+        quantized_matmul_int8)
+
+    kwargs = {"quantize_activation": quantize_activation, "batch_block_size": batch_block_size,
+              "out_block_size": out_block_size, "in_block_size": in_block_size}
+    mesh = xs.get_global_mesh()
+    if mesh is None:
+        return call_jax(quantized_matmul_int8, (x, w, scale), kwargs)
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    rows = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+    row_shards = int(np.prod([sizes[a] for a in rows])) if rows else 1
+    rows = rows if rows and x.shape[0] % row_shards == 0 else None
+    outs = "model" if sizes.get("model", 1) > 1 and w.shape[0] % sizes["model"] == 0 else None
+    local_x = xs.enable_manual_sharding(x, (rows, None), mesh=mesh).global_tensor
+    local_w = xs.enable_manual_sharding(w, (outs, None), mesh=mesh).global_tensor
+    local_s = xs.enable_manual_sharding(scale, (outs,), mesh=mesh).global_tensor
+    local = call_jax(quantized_matmul_int8, (local_x, local_w, local_s), kwargs)
+    full = (x.shape[0], w.shape[0])
+    return xs.disable_manual_sharding(local, (rows, outs), full, mesh=mesh).global_tensor
 
 
 def compiled_anything() -> bool:

@@ -526,7 +526,7 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     qconfig, smoothing, calibration = opts.quantization_config, None, None
     if opts.calibration is not None:                       # 1b. float model, calibrated, dropped
         qconfig, smoothing, calibration = calibrate_float(path, auto_class, opts, resolved, checkpoint)
-    quantize_on_meta(resolved, qconfig, backend.on_tpu())                   # 2a. quantized linears
+    quantize_on_meta(resolved, qconfig, backend.pallas_target())                 # 2a. quantized linears
     if calibration is not None:
         resolved.model.autoxla_quantization.attach_calibration(calibration)
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
@@ -565,7 +565,7 @@ def calibrate_float(path, auto_class, opts: LoadOptions, resolved: Resolved, che
     backend.set_global_mesh(mesh)     # results read back are replicated over it
     try:
         return sensitivity.run(floating.model, opts.calibration, opts.quantization_config,
-                               tokenizer, floating.tied, backend.on_tpu())
+                               tokenizer, floating.tied, backend.pallas_target())
     finally:
         del floating
         gc.collect()
@@ -597,7 +597,7 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
         from ..quantization import ModelQuantizer
 
         ModelQuantizer(opts.quantization_config).quantize_model(
-            resolved.model, tied=resolved.tied, on_tpu=backend.on_tpu())
+            resolved.model, tied=resolved.tied, on_tpu=backend.pallas_target())
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
     plan, mesh = make_plan(resolved, opts)                                           # 2. plan
     if opts.verbose:

@@ -20,6 +20,7 @@ from torch import nn
 from .. import _native, saving
 from ..sharding.rules import is_experts
 from ..module_swap import repointing_references
+from . import pallas_tiles
 from .backends import ACTIVATION_QUANT, choose
 from .config import LayerFormat, QuantizationConfig
 from .embedding import GATHER, QuantizedEmbedding
@@ -41,6 +42,9 @@ class LayerDecision:
     min_sqnr_db: float | None = None
     median_sqnr_db: float | None = None
     experts: int = 0                # a mixture-of-experts projection of this many experts
+    # TPU generations where torch_xla tuned Pallas tiles for this layer (pallas_tiles.py); on
+    # the others its Pallas backend gives way to the next one
+    pallas_tuned: tuple[int, ...] = ()
 
 
 @dataclass
@@ -98,6 +102,12 @@ class QuantizationReport:
             what = " expert projection(s)" if experts else ""
             lines.append(f"  {n}{what} x {label} via {backend}"
                          f"{' with int8 activations' if act else ''}")
+        pallas = [d for d in self.layers.values() if d.backend == "pallas"]
+        if pallas:
+            lines.append("  Pallas tiles tuned by torch_xla: " + ", ".join(
+                f"v{g} {sum(g in d.pallas_tuned for d in pallas)}/{len(pallas)}"
+                for g in pallas_tiles.GENERATIONS)
+                + " layer(s); elsewhere those layers take the next backend")
         worst = [d for d in self.layers.values() if d.min_sqnr_db is not None]
         if worst:
             w = min(worst, key=lambda d: d.min_sqnr_db)
@@ -204,12 +214,16 @@ class ModelQuantizer:
                 report.skipped[name] = "its weight is tied to another tensor (quantizing would untie it)"
                 continue
             fmt = cfg.layer_format(name, m.in_features, m.out_features)
-            backend, passed_over = choose(fmt, cfg, on_tpu, name)
+            act_wanted = cfg.quantize_activation and not cfg.float_activations(name)
+            backend, passed_over = choose(fmt, cfg, on_tpu, name, m.weight.dtype, act_wanted)
             if cfg.use_pallas and backend != "pallas":
                 pallas_refused.append(passed_over[0] if passed_over else backend)
             act = (cfg.quantize_activation and backend in ACTIVATION_QUANT
                    and not cfg.float_activations(name))
             report.layers[name] = LayerDecision(name, fmt, backend, passed_over, act)
+            if fmt.symmetric and fmt.per_channel:   # what the Pallas kernel would do on each TPU
+                report.layers[name].pallas_tuned = pallas_tiles.tuned_generations(
+                    fmt.out_features, fmt.in_features, m.weight.dtype, act_wanted)
         if cfg.quantize_embeddings:
             self._plan_embeddings(model, tied_names, report, matched)
         for p in cfg.exclude_layers:
@@ -416,13 +430,14 @@ def _shared_parameter_names(model: nn.Module) -> set[str]:
     return {n for names in by_id.values() if len(names) > 1 for n in names}
 
 
-def _on_tpu(model: nn.Module) -> bool:
+def _on_tpu(model: nn.Module):
+    """backends.choose's ``tpu`` for a model on its device (see quantization/backends.py)."""
     devices = {p.device.type for p in model.parameters()}
     if "xla" not in devices and "meta" not in devices:
         return False
     from .. import backend
 
     try:
-        return backend.on_tpu()
+        return backend.pallas_target()
     except ImportError:
         return False

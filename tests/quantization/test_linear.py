@@ -95,18 +95,41 @@ def test_xla_op_zero_point_is_premultiplied():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_pallas_arguments(bits):
-    # The Pallas kernel itself needs a TPU and is not run here; its arguments are: a 2-D x, an
-    # int8 (out, in) weight (int4 unpacked inside the graph to values in [-8, 7]), a (out,) scale.
+    # The kernel's arguments (tests/tpu_emulation runs the kernel itself): a 2-D x, an int8
+    # (out, in) weight (int4 unpacked inside the graph to values in [-8, 7]), a (out,) scale,
+    # and explicit tiles: off a TPU the untuned minimum (pallas_tiles.DEFAULT).
     layer, _, _ = _layer(bits, -1, True, "pallas", act=True)
     x = torch.randn(3, 5, 192)
     (x2, w, scale), kw = pallas_arguments(layer, x)
     assert x2.shape == (15, 192) and w.dtype == torch.int8 and w.shape == (24, 192)
-    assert scale.shape == (24,) and kw == {"quantize_activation": True}
+    assert scale.shape == (24,) and kw == {"quantize_activation": True, "batch_block_size": 128,
+                                           "out_block_size": 128, "in_block_size": 128}
     if bits == 4:
         assert w.min() >= -8 and w.max() <= 7
     fb, _, _ = _layer(bits, -1, True, "fallback")
     torch.testing.assert_close((x2 @ w.float().T) * scale, fb(x).reshape(15, 24) - fb.bias,
                                atol=1e-4, rtol=1e-4)
+
+
+def test_pallas_on_a_known_tpu_generation_needs_torch_xlas_tuned_tiles():
+    # torch_xla's table (v6, bf16, int8 activations) has a (4096, 4096) layer; it has no v5
+    # entries at all, so there the layer takes XLA's quantized matmul, said in passed_over.
+    from AutoXLA.quantization import pallas_tiles
+
+    cfg = QuantizationConfig(n_bits=8, quantize_activation=True)
+    fmt = cfg.layer_format("q_proj", 4096, 4096)
+    assert choose(fmt, cfg, 6, "q_proj", torch.bfloat16, True) == ("pallas", [])
+    name, passed = choose(fmt, cfg, 5, "q_proj", torch.bfloat16, True)
+    assert name == "xla_op" and "tuned no tiles for a (4096, 4096) layer on TPU v5" in passed[0]
+    assert choose(fmt, cfg, 6, "q_proj", torch.float32, True)[0] == "xla_op"
+    assert pallas_tiles.tuned_generations(4096, 4096, torch.bfloat16, True) == (6,)
+    # The nearest tuned token count at or above the call's: 1 token takes the 16-token tiles.
+    table = pallas_tiles.table()
+    assert pallas_tiles.tiles(6, 1, 4096, 4096, torch.bfloat16, True) == \
+        table[(6, 16, 4096, 4096, "bfloat16", True)]
+    assert pallas_tiles.tiles(6, 10**6, 4096, 4096, torch.bfloat16, True) == \
+        table[(6, max(k[1] for k in table if k[2:4] == (4096, 4096)), 4096, 4096, "bfloat16", True)]
+    assert pallas_tiles.tiles(None, 5, 24, 192, torch.float32, False) == pallas_tiles.DEFAULT
 
 
 @pytest.mark.parametrize("bits,block,sym,on_tpu,use_pallas,expected", [

@@ -1,0 +1,164 @@
+"""Both attention kernels, the real Pallas code interpreted, inside every decoder family on 8
+devices, against transformers' eager attention on the CPU.
+
+Each test asserts that the kernel ran (a spy on attention/tpu.py's run_* counts the calls; a
+scanned stack traces its loop body once, so once per layer of a group) or, where a kernel cannot
+take a layer, that AutoXLA said so. Tolerances: the interpreted kernels compute in fp32 with an
+online softmax, like the portable path, so the model tests keep tests/helpers.py's 1e-4 and
+tests/attention/test_models.py's gradient bound (2e-5 of the largest entry).
+"""
+import logging
+
+import pytest
+import torch
+
+from AutoXLA import backend
+from AutoXLA.attention import KERNELS, tpu
+from AutoXLA.modeling import AutoXLAModelForCausalLM
+from AutoXLA.tiny import available_families
+from tests.conftest import reference_loader
+from tests.helpers import assert_close
+
+FAMILIES = available_families()
+GRAD_FRACTION_OF_MAX, GRAD_RTOL = 2e-5, 1e-4
+RUN = {"xla_flash_attention": "run_flash", "splash_attention": "run_splash"}
+
+
+def _load(path, kernel, strategy="fsdp", **kwargs):
+    return AutoXLAModelForCausalLM.from_pretrained(
+        path, sharding_strategy=strategy, attn_implementation=kernel, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """family -> a 4-layer tiny checkpoint: two periods of Gemma 2's sliding/full pattern, so
+    every family's stack is scanned (the session's 2-layer Gemma 2 is one period, unrolled)."""
+    from AutoXLA.tiny import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("four-layers")
+    return {f: save_tiny_checkpoint(f, root / f, seed=i, num_hidden_layers=4)
+            for i, f in enumerate(FAMILIES)}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """kernel name -> how many times AutoXLA called it (and the batch each call carried)."""
+    calls = {k: [] for k in KERNELS}
+    for kernel, name in RUN.items():
+        real = getattr(tpu, name)
+
+        def spy(arguments, real=real, kernel=kernel):
+            calls[kernel].append(arguments["q"].shape[0])
+            return real(arguments)
+        monkeypatch.setattr(tpu, name, spy)
+    return calls
+
+
+def _takes_every_layer(family, kernel, config) -> bool:
+    """flash has no window and no soft-cap: Gemma 2 (soft-cap everywhere) and Mistral (a window
+    everywhere) run none of their layers through it."""
+    windowed = getattr(config, "sliding_window", None) is not None
+    softcap = getattr(config, "attn_logit_softcapping", None) is not None
+    return kernel == "splash_attention" or not (windowed or softcap)
+
+
+def _grads(m, ids, mask, weights, dev):
+    embeds = m.get_input_embeddings()(ids.to(dev)).detach().requires_grad_(True)
+    stacked = getattr(m.model.layers, "stacked", None)
+    attn = (stacked.self_attn.q_proj.weight if stacked is not None
+            else m.model.layers[0].self_attn.q_proj.weight)
+    m.zero_grad(set_to_none=True)
+    logits = m(inputs_embeds=embeds, attention_mask=mask.to(dev)).logits
+    loss = (logits * weights.to(dev)).sum()   # a scalar that reads every valid logit
+    g_embeds, g_attn = torch.autograd.grad(loss, [embeds, attn])
+    return g_embeds.cpu(), (g_attn[0] if stacked is not None else g_attn).cpu()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_forward_gradients_and_greedy_in_the_scanned_stack(
+        family, kernel, four_layers, batch, kernel_calls, xla_devices, caplog):
+    # The seed's Quick Start combination: fsdp on 8 devices, the default scanned stack, and a
+    # batch of 2 rows that does not fill data*fsdp = 8 (padded for the call, sliced after).
+    ids, mask = batch
+    reference = reference_loader(four_layers)(family)
+    with caplog.at_level(logging.WARNING, logger="AutoXLA"):
+        model = _load(four_layers[family], kernel)
+        assert model.autoxla_plan.stack.scanned
+        dev = backend.device()
+        with torch.no_grad():
+            got = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu()
+    expected = reference(input_ids=ids, attention_mask=mask).logits.detach()
+    valid = mask.bool()
+    assert_close(got[valid], expected[valid], what=f"{family}/{kernel} logits")
+    if _takes_every_layer(family, kernel, model.config):
+        # One traced call per layer of the scanned group, each with the batch padded to 8.
+        assert kernel_calls[kernel] and set(kernel_calls[kernel]) == {8}
+    else:
+        assert not kernel_calls[kernel]
+        assert "xla_flash_attention has no sliding window or logit soft-cap" in caplog.text
+
+    weights = torch.randn(*ids.shape, reference.config.vocab_size,
+                          generator=torch.Generator().manual_seed(0)) * mask[..., None]
+    expected_g = _grads(reference, ids, mask, weights, "cpu")
+    got_g = _grads(model, ids, mask, weights, dev)
+    for what, g, e in (("d/d embeds", got_g[0][valid], expected_g[0][valid]),
+                       ("d/d q_proj", got_g[1], expected_g[1])):
+        assert_close(g, e, GRAD_FRACTION_OF_MAX * e.abs().max().item(), GRAD_RTOL,
+                     f"{family}/{kernel} {what}")
+
+    # Greedy tokens: the kernel runs in the prefill; decoding over the static cache takes the
+    # portable path (one query against a cache is not a shape either kernel takes).
+    args = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected_t = reference.generate(input_ids=ids, attention_mask=mask, **args)
+    got_t = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
+    assert torch.equal(got_t, expected_t), f"{family}/{kernel}: {got_t.tolist()}"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("strategy,scan", [("2d", True), ("3d", True), ("fsdp", False)])
+def test_other_strategies_and_the_unrolled_stack(strategy, scan, kernel, checkpoints,
+                                                 reference_models, batch, kernel_calls,
+                                                 xla_devices):
+    ids, mask = batch
+    model = _load(checkpoints["llama"], kernel, strategy=strategy, scan_layers=scan)
+    assert model.autoxla_plan.stack.scanned is scan
+    dev = backend.device()
+    with torch.no_grad():
+        got = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu()
+    expected = reference_models("llama")(input_ids=ids, attention_mask=mask).logits.detach()
+    valid = mask.bool()
+    assert_close(got[valid], expected[valid], what=f"llama/{kernel}/{strategy} logits")
+    layers = model.config.num_hidden_layers
+    assert len(kernel_calls[kernel]) == (model.autoxla_plan.stack.group if scan else layers)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_batches_that_do_and_do_not_fill_the_mesh(rows, kernel, checkpoints, reference_models,
+                                                  kernel_calls, xla_devices):
+    # Batch 1 under fsdp crashed torch_xla's flash wrapper before padding (its output came back
+    # with 8 rows: "mm(): cannot matrix-multiply tensors f32[128,2048] and f32[256,256]").
+    # 20 tokens, one row per seed, no padding mask.
+    ids = torch.randint(3, 200, (rows, 20), generator=torch.Generator().manual_seed(rows))
+    model = _load(checkpoints["llama"], kernel)
+    with torch.no_grad():
+        got = model(input_ids=ids.to(backend.device())).logits.cpu()
+    expected = reference_models("llama")(input_ids=ids).logits.detach()
+    assert_close(got, expected, what=f"llama/{kernel} logits, {rows} row(s)")
+    assert kernel_calls[kernel] and set(kernel_calls[kernel]) == {8}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sequences_that_do_not_divide_the_blocks(kernel, checkpoints, reference_models,
+                                                 kernel_calls, xla_devices):
+    # 640 tokens on 512-token blocks: torch_xla's flash wrapper pads the keys inside the call;
+    # for splash, which does not pad, AutoXLA appends positions up to 1024 and slices them off.
+    ids = torch.randint(3, 200, (1, 640), generator=torch.Generator().manual_seed(1))
+    expected = reference_models("llama")(input_ids=ids).logits.detach()
+    model = _load(checkpoints["llama"], kernel, attention_config={"sa_block_q": 512,
+                                                                  "sa_block_kv": 512})
+    with torch.no_grad():
+        got = model(input_ids=ids.to(backend.device())).logits.cpu()
+    assert_close(got, expected, what=f"{kernel} logits, 640 tokens")
+    assert kernel_calls[kernel]

@@ -1,0 +1,57 @@
+"""The Pallas int8 matmul kernel (torch_xla's, interpreted) behind QuantizedLinear's pallas
+backend, in a sharded model, against the backends that compute the same product another way:
+int8 and int4 weight-only against the dequantize+matmul fallback, W8A8 against torch_xla's XLA
+quantized matmul (which quantizes activations per row the same way)."""
+import pytest
+import torch
+
+from AutoXLA import backend
+from AutoXLA.modeling import AutoXLAModelForCausalLM
+from AutoXLA.quantization import QuantizationConfig
+from tests.helpers import assert_close
+
+CASES = {
+    # The kernel multiplies the same int8 weights in fp32 and scales after: equal to the
+    # fallback's dequantized matmul up to fp32 reassociation (~1e-6 per product), so the
+    # project's 1e-4 logits tolerance holds with room.
+    "int8": (dict(bits=8), dict(backend="fallback"), 1e-4),
+    "int4": (dict(bits=4, block_size=-1), dict(backend="fallback"), 1e-4),
+    # Both sides round each activation row to int8 by its absolute maximum; a value on a
+    # rounding boundary may land one step apart (1/127 of the row's maximum), which moves a
+    # logit by ~1e-3 of its scale: 2e-3.
+    "w8a8": (dict(bits=8, quantize_activation=True), dict(backend="xla_op"), 2e-3),
+}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    calls, real = [], backend.pallas_quantized_matmul
+
+    def spy(x, w, scale, **kwargs):
+        calls.append((tuple(x.shape), tuple(w.shape), kwargs["quantize_activation"]))
+        return real(x, w, scale, **kwargs)
+    monkeypatch.setattr(backend, "pallas_quantized_matmul", spy)
+    return calls
+
+
+def _logits(path, strategy, **quant):
+    model = AutoXLAModelForCausalLM.from_pretrained(
+        path, sharding_strategy=strategy, do_quant=True,
+        quantization_config=QuantizationConfig(**quant))
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model, model(input_ids=ids.to(backend.device())).logits.cpu()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "2d"])
+@pytest.mark.parametrize("case", CASES)
+def test_pallas_kernel_equals_the_other_backend(case, strategy, checkpoints, kernel_calls,
+                                                xla_devices):
+    quant, other, atol = CASES[case]
+    model, got = _logits(checkpoints["llama"], strategy, use_pallas=True, **quant)
+    report = model.autoxla_quantization
+    assert {d.backend for d in report.layers.values()} == {"pallas"}, str(report)
+    # A scanned stack traces its body once: every projection of one layer, plus any unstacked.
+    assert kernel_calls and {act for _, _, act in kernel_calls} == {case == "w8a8"}
+    _, expected = _logits(checkpoints["llama"], strategy, **quant, **other)
+    assert_close(got, expected, atol, 1e-4, f"{case}/{strategy} pallas vs {other['backend']}")
