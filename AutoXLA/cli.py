@@ -29,6 +29,7 @@
         Quantize a float checkpoint on the CPU host, one tensor at a time (no XLA devices): DST is
         what from_pretrained(do_quant=True) + save_pretrained would write, and loads as it is.
     autoxla doctor [PATH] [--seq S] [--batch B] [--strategy fsdp] [--compile-cache DIR] [--json]
+    autoxla doctor --selftest          the Pallas kernels against eager (emulated off a TPU)
         Versions, XLA devices (kind, count, SPMD), the C core's ISA, Pallas, the persistent
         compilation cache's self-test, and which attention kernel each layer of PATH can use.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
