@@ -113,6 +113,20 @@ def _unwrapped_named_parameters(module):
         yield name.replace("_orig_module.", ""), b
 
 
+def embeds_and_q_proj_grads(m, ids, mask, weights, dev):
+    """Gradients of a weighted sum of every valid logit with respect to the input embeddings
+    and layer 0's q_proj weight (a scanned stack's layer 0 is row 0 of its stacked tensor)."""
+    embeds = m.get_input_embeddings()(ids.to(dev)).detach().requires_grad_(True)
+    stacked = getattr(m.model.layers, "stacked", None)
+    attn = (stacked.self_attn.q_proj.weight if stacked is not None
+            else m.model.layers[0].self_attn.q_proj.weight)
+    m.zero_grad(set_to_none=True)
+    logits = m(inputs_embeds=embeds, attention_mask=mask.to(dev)).logits
+    loss = (logits * weights.to(dev)).sum()
+    g_embeds, g_attn = torch.autograd.grad(loss, [embeds, attn])
+    return g_embeds.cpu(), (g_attn[0] if stacked is not None else g_attn).cpu()
+
+
 def quiet(fn, *args, **kwargs):
     """fn(*args, **kwargs) with warnings silenced (use_pallas off a TPU, W8A8 on the fallback...)."""
     import warnings

@@ -122,7 +122,13 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
     """transformers' attention-function contract: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]
     -> ([B, Sq, Hq, D], None)."""
     layer = getattr(module, "autoxla_attention", _UNPATCHED[kernel])
-    if layer is None:          # a layer left out by attention_config['layers']
+    if layer is not None and kwargs.get("s_aux") is not None:
+        # gpt-oss's attention sinks, in a model patched by hand (patch_attention leaves a model
+        # with sinks on eager attention): no kernel has them; dropping them would be wrong.
+        warn_once("sinks", "%s: attention sinks (gpt-oss) are in neither Pallas kernel nor "
+                  "AutoXLA's portable path; the model's eager attention runs", kernel)
+        layer = None
+    if layer is None:          # a layer left out by attention_config['layers'], or sinks
         return _eager(module, query, key, value, attention_mask, dropout=dropout,
                       scaling=scaling, softcap=softcap, **kwargs)
     if dropout:

@@ -28,6 +28,17 @@ def patch_attention(model: nn.Module, implementation: str, cfg: AttentionConfig,
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module that goes through "
                          "transformers' AttentionInterface; use attn_implementation='eager'")
+    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in modules):
+        # gpt-oss's attention sinks (a learned logit per head in every softmax): neither Pallas
+        # kernel nor the portable path has them, and leaving them out would be silently wrong.
+        warn_once(f"sinks-{implementation}", "attn_implementation=%r: attention sinks (gpt-oss) "
+                  "are in neither Pallas kernel nor AutoXLA's portable path; the model runs its "
+                  "eager attention", implementation)
+        for m in modules:
+            m.autoxla_attention = None
+        if config is not None:
+            set_decoder_attention(config, "eager")
+        return 0
     layers = {m.layer_idx for m in modules if getattr(m, "layer_idx", None) is not None}
     cfg.check_layers(max(layers) + 1 if layers else 0)
     patched = 0

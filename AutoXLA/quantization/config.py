@@ -44,10 +44,10 @@ _NO_EFFECT = {
                   "byte (the C engine writes that layout and QuantizedLinear unpacks it inside "
                   "the compiled graph; an unpacked int4 weight would cost as much as int8)"),
     "auto_tune_block_sizes": (
-        "auto_tune_block_sizes=False has no effect: torch_xla's Pallas quantized matmul "
-        "(torch.ops.xla.quantized_matmul_int8) always looks up its own tuned block sizes and "
-        "ignores explicit ones (torch_xla 2.9's custom_kernel.quantized_matmul_int8 overwrites "
-        "them); shapes it has no tuned entry for run torch.ops.xla.quantized_matmul instead"),
+        "auto_tune_block_sizes=False has no effect: AutoXLA runs torch_xla's Pallas int8 "
+        "matmul only with the tiles torch_xla tuned for the layer's shape on the TPU's "
+        "generation, and gives layers without them the next backend "
+        "(AutoXLA/quantization/pallas_tiles.py, docs/quantization.md)"),
 }
 
 
@@ -145,7 +145,7 @@ class QuantizationConfig:
         also with n_bits=4); a table tied to the output projection stays in full precision.
     use_xla_kernel: False = never torch_xla's torch.ops.xla.quantized_matmul (backend "xla_op").
     pack_4bit: True (int4 is always packed two per byte); False warns once that it is anyway.
-    auto_tune_block_sizes: True (the Pallas kernel picks its tuned block sizes itself); False
+    auto_tune_block_sizes: True (the Pallas kernel runs with torch_xla's tuned tiles); False
         warns once that it cannot be turned off.
     """
 

@@ -397,6 +397,7 @@ def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:
     dtype = old.bias.dtype if old.bias is not None else old.weight.dtype
     new = QuantizedLinear(d.fmt, bias=old.bias is not None, backend=d.backend,
                           quantize_activation=d.activation_quant, dtype=dtype, device=dev)
+    new.pallas_tuned = d.pallas_tuned   # for the plan (sharding/plan.py)
     if old.bias is not None:
         new.bias.requires_grad_(old.bias.requires_grad)
     return new

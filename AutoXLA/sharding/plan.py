@@ -42,6 +42,9 @@ class TensorPlan:
     # The float tensor a float checkpoint holds under another name: a mixture-of-experts
     # projection ``experts.gate_up_proj`` quantized as ``experts.gate_up_proj.weight``.
     source_name: str = ""
+    # A layer on the Pallas backend: the TPU generations torch_xla tuned its tiles for
+    # (quantization/pallas_tiles.py); on the others a TPU gives it the next backend.
+    pallas_tuned: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -151,6 +154,11 @@ class Plan:
             note = t.reason or (f"tied to {t.tied_to}" if t.tied_to else "")
             if t.backend:
                 note = (note + "; " if note else "") + f"{t.quant} via {t.backend}"
+            if t.backend == "pallas" and t.pallas_tuned:
+                tuned = ", ".join(f"v{g}" for g in t.pallas_tuned)
+                note += f" (tuned tiles on TPU {tuned}; other TPUs: the next backend)"
+            elif t.backend == "pallas":
+                note += " (no TPU generation has tuned tiles for it: the next backend on a TPU)"
             if t.is_buffer and not t.persistent:
                 note = (note + "; " if note else "") + "computed, not loaded"
             rows.append((t.name, t.role, _dims(t.shape), t.dtype, t.spec_str, _dims(t.shard_shape),
@@ -289,7 +297,8 @@ def _quant_fields(name: str, owner: nn.Module) -> dict:
         return {}
     if leaf == "weight":
         fields = dict(quant=fmt.label, backend=owner.backend,
-                      source_shape=(fmt.out_features, fmt.in_features))
+                      source_shape=(fmt.out_features, fmt.in_features),
+                      pallas_tuned=tuple(getattr(owner, "pallas_tuned", ())))
         if getattr(owner, "num_experts", None):   # QuantizedExperts: made from the float parameter
             fields.update(source_shape=owner.source_shape, source_name=prefix)
         return fields

@@ -12,7 +12,7 @@ from AutoXLA.attention import KERNELS
 from AutoXLA.attention.hf import LayerAttention
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.tiny import available_families
-from tests.helpers import assert_close
+from tests.helpers import assert_close, embeds_and_q_proj_grads
 
 FAMILIES = available_families()
 SMALL_BLOCKS = {"sa_block_q": 4, "sa_block_kv": 4}
@@ -115,20 +115,8 @@ def test_gradients_equal_eager(family, kernel, checkpoints, reference_models, ba
     weights = torch.randn(*ids.shape, reference.config.vocab_size,
                           generator=torch.Generator().manual_seed(0)) * mask[..., None]
 
-    def grads(m, dev):
-        embeds = m.get_input_embeddings()(ids.to(dev)).detach().requires_grad_(True)
-        # A scanned stack's layer 0 q_proj is row 0 of the stacked tensor the forward uses.
-        stacked = getattr(m.model.layers, "stacked", None)
-        attn = (stacked.self_attn.q_proj.weight if stacked is not None
-                else m.model.layers[0].self_attn.q_proj.weight)
-        m.zero_grad(set_to_none=True)
-        logits = m(inputs_embeds=embeds, attention_mask=mask.to(dev)).logits
-        loss = (logits * weights.to(dev)).sum()   # a scalar that reads every valid logit
-        g_embeds, g_attn = torch.autograd.grad(loss, [embeds, attn])
-        return g_embeds.cpu(), (g_attn[0] if stacked is not None else g_attn).cpu()
-
-    expected = grads(reference, "cpu")
-    got = grads(model, backend.device())
+    expected = embeds_and_q_proj_grads(reference, ids, mask, weights, "cpu")
+    got = embeds_and_q_proj_grads(model, ids, mask, weights, backend.device())
     valid = mask.bool()
     for what, g, e in (("d/d embeds", got[0][valid], expected[0][valid]),
                        ("d/d q_proj", got[1], expected[1])):

@@ -196,3 +196,23 @@ def test_xla_op_equals_fallback_with_a_float_offset():
     # The op adds x @ offset after the matmul, the fallback adds the offset to each weight first:
     # fp32 reordering only.
     torch.testing.assert_close(layers["xla_op"](x), layers["fallback"](x), atol=1e-4, rtol=1e-4)
+
+
+def test_the_plan_says_where_each_pallas_layer_has_tuned_tiles():
+    # Llama-3.1-8B W8A8 in bf16: the plan repeats torch_xla's table per Pallas layer (the
+    # generations with tuned tiles; on the others a TPU takes the next backend).
+    from AutoXLA.planning.from_config import plan_from_config
+    from AutoXLA.quantization import pallas_tiles
+
+    path = "AutoXLA/data/model_configs/meta-llama--Llama-3.1-8B"
+    cfg = QuantizationConfig(bits=8, quantize_activation=True)
+    plan = plan_from_config(path, dtype="bfloat16", quantization_config=cfg)
+    by_name = {t.name: t for t in plan.tensors}
+    q = by_name["model.layers.0.self_attn.q_proj.weight"]
+    assert q.backend == "pallas" and q.pallas_tuned == (6,)   # (4096, 4096) is in the table
+    assert "tuned tiles on TPU v6" in str(plan)
+    for t in plan.tensors:
+        if t.backend == "pallas":
+            out, inp = t.source_shape
+            assert t.pallas_tuned == pallas_tiles.tuned_generations(out, inp, torch.bfloat16,
+                                                                   True), t.name

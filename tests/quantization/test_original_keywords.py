@@ -83,7 +83,7 @@ def test_use_xla_kernel_false_skips_the_xla_op():
 @pytest.mark.parametrize("keyword,kwargs,match", [
     ("pack_4bit", dict(n_bits=4, pack_4bit=False), "int4 weights are always stored packed"),
     ("auto_tune_block_sizes", dict(auto_tune_block_sizes=False),
-     "always looks up its own tuned block sizes"),
+     "only with the tiles torch_xla tuned"),
 ])
 def test_keywords_without_effect_warn_once(keyword, kwargs, match, fresh_warnings):
     with pytest.warns(UserWarning, match=match):
@@ -97,8 +97,10 @@ def test_keywords_without_effect_warn_once(keyword, kwargs, match, fresh_warning
 
 
 def test_the_pallas_kernel_picks_its_own_block_sizes():
-    # Why auto_tune_block_sizes=False cannot be honoured: torch_xla's wrapper replaces any block
-    # sizes it is given by its tuned table's. If this changes, pass explicit sizes instead.
+    # Why AutoXLA calls torch_xla's kernel itself (backend.pallas_quantized_matmul) with tiles
+    # from the tuned table (pallas_tiles.py): torch_xla's op replaces any block sizes it is given
+    # by its table's and falls back to XLA's matmul on a miss. If this changes, the op could be
+    # called again.
     from torch_xla.experimental import custom_kernel
 
     src = inspect.getsource(custom_kernel.quantized_matmul_int8)

@@ -17,7 +17,7 @@ from AutoXLA.attention import KERNELS, tpu
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.tiny import available_families
 from tests.conftest import reference_loader
-from tests.helpers import assert_close
+from tests.helpers import assert_close, embeds_and_q_proj_grads
 
 FAMILIES = available_families()
 GRAD_FRACTION_OF_MAX, GRAD_RTOL = 2e-5, 1e-4
@@ -62,18 +62,6 @@ def _takes_every_layer(family, kernel, config) -> bool:
     return kernel == "splash_attention" or not (windowed or softcap)
 
 
-def _grads(m, ids, mask, weights, dev):
-    embeds = m.get_input_embeddings()(ids.to(dev)).detach().requires_grad_(True)
-    stacked = getattr(m.model.layers, "stacked", None)
-    attn = (stacked.self_attn.q_proj.weight if stacked is not None
-            else m.model.layers[0].self_attn.q_proj.weight)
-    m.zero_grad(set_to_none=True)
-    logits = m(inputs_embeds=embeds, attention_mask=mask.to(dev)).logits
-    loss = (logits * weights.to(dev)).sum()   # a scalar that reads every valid logit
-    g_embeds, g_attn = torch.autograd.grad(loss, [embeds, attn])
-    return g_embeds.cpu(), (g_attn[0] if stacked is not None else g_attn).cpu()
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_forward_gradients_and_greedy_in_the_scanned_stack(
@@ -100,8 +88,8 @@ def test_family_forward_gradients_and_greedy_in_the_scanned_stack(
 
     weights = torch.randn(*ids.shape, reference.config.vocab_size,
                           generator=torch.Generator().manual_seed(0)) * mask[..., None]
-    expected_g = _grads(reference, ids, mask, weights, "cpu")
-    got_g = _grads(model, ids, mask, weights, dev)
+    expected_g = embeds_and_q_proj_grads(reference, ids, mask, weights, "cpu")
+    got_g = embeds_and_q_proj_grads(model, ids, mask, weights, dev)
     for what, g, e in (("d/d embeds", got_g[0][valid], expected_g[0][valid]),
                        ("d/d q_proj", got_g[1], expected_g[1])):
         assert_close(g, e, GRAD_FRACTION_OF_MAX * e.abs().max().item(), GRAD_RTOL,
@@ -162,3 +150,35 @@ def test_sequences_that_do_not_divide_the_blocks(kernel, checkpoints, reference_
         got = model(input_ids=ids.to(backend.device())).logits.cpu()
     assert_close(got, expected, what=f"{kernel} logits, 640 tokens")
     assert kernel_calls[kernel]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_attention_sinks_run_eager_attention_and_say_so(kernel, tmp_path, kernel_calls,
+                                                        xla_devices, caplog):
+    # gpt-oss adds a learned logit per head to every softmax (s_aux): no kernel has it, and
+    # before this both names silently dropped it (on any device).
+    from transformers import AutoModelForCausalLM
+
+    from AutoXLA.architectures import save_checkpoint
+
+    # Sinks that matter (random ones near 0 barely do), saved in the checkpoint AutoXLA loads.
+    source = save_checkpoint("gpt-oss", tmp_path / "gpt-oss")
+    eager = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    ids = torch.randint(3, 200, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        without = eager(input_ids=ids).logits
+        for layer in eager.model.layers:
+            layer.self_attn.sinks.fill_(3.0)
+        expected = eager(input_ids=ids).logits
+    assert (expected - without).abs().max() > 1e-2
+    eager.save_pretrained(tmp_path / "sinks")
+    with caplog.at_level(logging.WARNING, logger="AutoXLA"):
+        # 2d: under fsdp a gpt-oss batch of 2 aborts XLA's SPMD partitioner, with or without
+        # the kernels (docs/models.md, a known problem).
+        model = _load(tmp_path / "sinks", kernel, strategy="2d")
+        with torch.no_grad():
+            got = model(input_ids=ids.to(backend.device())).logits.cpu()
+    assert "attention sinks (gpt-oss)" in caplog.text
+    assert not kernel_calls[kernel]
+    assert_close(got, expected, what=f"gpt-oss/{kernel} logits with sinks")
