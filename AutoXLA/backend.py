@@ -380,9 +380,7 @@ def on_tpu() -> bool:
 def runs_pallas() -> bool:
     """True when AutoXLA's Pallas call sites take their TPU branch: on a TPU, or off one once
     kernels/interpret.py has switched this process to the emulated (interpreted) kernels."""
-    from .kernels import interpret
-
-    return interpret.enabled() or on_tpu()
+    return pallas_target() is not False
 
 
 def has_quantized_matmul() -> bool:
