@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import numpy as np
 import torch
@@ -297,6 +298,38 @@ def shard_like(t: torch.Tensor, source: torch.Tensor) -> None:
     if torch_xla._XLAC._get_xla_sharding_type(source) is None:
         return
     torch_xla._XLAC._xla_mark_sharding(t, torch_xla._XLAC._get_xla_op_sharding(source))
+
+
+# One thread at a time traces and runs programs on the devices: torch_xla's lazy graph and its
+# device data are not safe to drive from two threads (two concurrent generate calls crashed the
+# process, SIGSEGV). Re-entrant, so a call that holds it may call another (warm-up -> generate).
+_DEVICE_OWNER = threading.RLock()
+
+
+def device_owner():
+    """The lock a thread holds while it drives the devices (``with backend.device_owner():``)."""
+    return _DEVICE_OWNER
+
+
+def free_device_memory() -> int | None:
+    """Bytes free on one device now: a TPU's HBM limit less what is in use; on XLA:CPU the
+    host's available memory shared by the virtual devices; None when the runtime cannot say."""
+    if on_tpu():
+        _xla()
+        import torch_xla.core.xla_model as xm
+
+        try:
+            info = xm.get_memory_info(device())
+            return int(info["bytes_limit"]) - int(info["bytes_used"])
+        except (RuntimeError, KeyError, TypeError):
+            return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    return available // max(device_count(), 1)
 
 
 def sharding_spec(t: torch.Tensor) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-_COMMON = dict(num_hidden_layers=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+_COMMON = dict(num_hidden_layers=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
                eos_token_id=2)
 
 # family -> (config class name, its keywords). Every family keeps its architecture's quirks.
@@ -35,8 +35,8 @@ FAMILIES = {
                                              num_attention_heads=8, num_key_value_heads=2,
                                              head_dim=8, rope_parameters={
                                                  "type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-                                                 "original_max_position_embeddings": 32,
-                                                 "max_position_embeddings": 128,
+                                                 "original_max_position_embeddings": 128,
+                                                 "max_position_embeddings": 512,
                                                  "beta_fast": 32.0, "beta_slow": 1.0,
                                                  "mscale_all_dim": 1.0, "mscale": 1.0,
                                                  "llama_4_scaling_beta": 0.1})),

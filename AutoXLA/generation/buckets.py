@@ -34,6 +34,9 @@ class GenerationOptions:
         program per batch bucket); None picks the cache bucket per request.
     stop_check_every: decode steps between two looks at the device for "every sequence finished"
         (one small device-to-host copy each); at most this many steps run after the last EOS.
+    max_positions: the most positions (prompt + new tokens) one request may ask; None: the
+        model's max_position_embeddings. A server sets it lower to bound every request; set it
+        higher only for a model known to read past its trained positions.
     """
 
     batch_buckets: object = POWERS_OF_TWO
@@ -43,6 +46,7 @@ class GenerationOptions:
     min_cache: int = 64
     max_cache_len: int | None = None
     stop_check_every: int = 8
+    max_positions: int | None = None
 
     def __post_init__(self):
         for name in ("batch_buckets", "prompt_buckets", "cache_buckets"):
@@ -54,6 +58,10 @@ class GenerationOptions:
         if self.max_cache_len is not None and (not isinstance(self.max_cache_len, int)
                                                or self.max_cache_len < 2):
             raise ValueError(f"max_cache_len must be an int >= 2 or None, got {self.max_cache_len!r}")
+        if self.max_positions is not None and (isinstance(self.max_positions, bool) or not
+                                               isinstance(self.max_positions, int)
+                                               or self.max_positions < 2):
+            raise ValueError(f"max_positions must be an int >= 2 or None, got {self.max_positions!r}")
 
     @classmethod
     def from_any(cls, value) -> "GenerationOptions":

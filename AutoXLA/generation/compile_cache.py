@@ -95,9 +95,12 @@ def self_test(directory: str) -> tuple[bool, str]:
     record = Path(directory) / _VERDICT
     try:
         saved = json.loads(record.read_text())
-        if saved.get("key") == key:
-            return bool(saved["works"]), saved["detail"]
-    except (OSError, ValueError, KeyError):
+        # Any other content (another tool's file, a hand edit, valid JSON of the wrong shape) is
+        # not a verdict: the self-test runs again and rewrites it.
+        if (isinstance(saved, dict) and saved.get("key") == key
+                and isinstance(saved.get("works"), bool) and isinstance(saved.get("detail"), str)):
+            return saved["works"], saved["detail"]
+    except (OSError, ValueError):
         pass
     scratch = Path(directory) / ".autoxla-selftest"
     counters = [_probe(scratch) for _ in range(2)]

@@ -21,6 +21,7 @@ import torch
 from .. import backend
 from .buckets import GenerationOptions
 from .cache import allocate, pin, write_prompt
+from . import validate
 from .request import build_request
 from .sampling import Sampler, next_tokens
 
@@ -95,30 +96,28 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     from ..saving import unwrap
 
     hf = unwrap(model)
-    ids = input_ids if input_ids is not None else inputs
-    if ids is None or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError("generate needs input_ids, a [batch, length] tensor of token ids "
-                         f"(got {type(ids).__name__}); tokenize with return_tensors='pt'")
-    out_device = ids.device
-    ids = ids.detach().to("cpu", torch.int64)
+    raw = input_ids if input_ids is not None else inputs
+    ids = validate.check_ids(raw, validate.vocab_size(hf))
+    out_device = raw.device
     request = build_request(hf, ids.shape[1], generation_config, seed=seed, **kwargs)
-    mask = (attention_mask.detach().to("cpu", torch.int64) if attention_mask is not None
-            else default_attention_mask(ids, request))
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids "
-                         f"{tuple(ids.shape)}: they must match")
-    options: GenerationOptions = model.autoxla_generation
+    mask = validate.check_mask(attention_mask if attention_mask is not None
+                               else default_attention_mask(ids, request), ids)
+    # Settable after loading as a dict too (docs/generation.md): checked here, every call.
+    options = GenerationOptions.from_any(model.autoxla_generation)
     batch, length = ids.shape
+    validate.check_length(hf.config, options, length, request.max_new_tokens)
     bb, pb = options.batch_bucket(batch), options.prompt_bucket(length)
     cache_length = options.cache_length(pb, request.max_new_tokens)
-    prompt = pad_prompt(ids, mask, bb, pb, cache_length, request.pad_token_id)
-    stats = Stats(bb, pb, cache_length)
     kv = model.autoxla_plan.kv_cache(bb, cache_length, dtype=_activation_dtype(hf))
+    validate.check_memory(kv, model.autoxla_plan.mesh)
+    prompt = pad_prompt(ids, mask, bb, pb, cache_length, request.fill_token_id)
+    stats = Stats(bb, pb, cache_length)
     if streamer is not None:
         streamer.put(ids)                 # as transformers: the prompt first
-    new = _run(model, prompt, request, kv, options.stop_check_every, streamer, stats, batch,
-               _stop_after or request.max_new_tokens)
-    model.autoxla_last_generate = stats
+    with backend.device_owner():          # one generating thread at a time (docs/generation.md)
+        new = _run(model, prompt, request, kv, options.stop_check_every, streamer, stats, batch,
+                   _stop_after or request.max_new_tokens)
+        model.autoxla_last_generate = stats
     return torch.cat([ids, new], dim=1).to(out_device)
 
 
@@ -136,7 +135,7 @@ def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: 
     cache = allocate(kv, mesh, dev, stacked=_scanned(model))
     sampler = Sampler(request, dev)
     eos = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.int64, device=dev)
-    pad = request.pad_token_id
+    pad = request.fill_token_id
     # Inputs from the host are replicated from the start: a tensor first used by the first
     # decode step would otherwise enter it unsharded and every later step replicated, two
     # different programs.

@@ -40,8 +40,14 @@ class Request:
     top_k: int | None          # None: no top-k filter
     top_p: float               # 1.0: no nucleus filter
     eos_token_ids: tuple[int, ...]
-    pad_token_id: int
+    pad_token_id: int | None   # the config's pad, else its first EOS, else None (transformers')
     seed: int
+
+    @property
+    def fill_token_id(self) -> int:
+        """What fills padding columns and the steps after a row's EOS: the pad token; without
+        one nothing real is ever filled (no EOS, so no row finishes early), and 0 will do."""
+        return 0 if self.pad_token_id is None else self.pad_token_id
 
     @property
     def sampling_key(self) -> tuple:
@@ -94,8 +100,8 @@ def build_request(model, prompt_length: int, generation_config=None, seed=None,
     eos = config.eos_token_id
     eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     pad = config.pad_token_id
-    if pad is None:
-        pad = eos[0] if eos else 0   # as transformers: pad with EOS; nothing is padded without EOS
+    if pad is None and eos:
+        pad = eos[0]                 # as transformers: pad with EOS
     do_sample = bool(config.do_sample)
     temperature = float(config.temperature)
     top_k = config.top_k
@@ -116,4 +122,4 @@ def build_request(model, prompt_length: int, generation_config=None, seed=None,
     if not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     return Request(max_new, do_sample, temperature, top_k if do_sample else None,
-                   top_p if do_sample else 1.0, eos, int(pad), seed)
+                   top_p if do_sample else 1.0, eos, None if pad is None else int(pad), seed)

@@ -28,15 +28,19 @@ def warm_up(model, batch_sizes=(1,), prompt_lengths=(16,), max_new_tokens: int =
     prefill and decode programs, which every later request in those buckets reuses."""
     from tqdm.auto import tqdm
 
-    options = model.autoxla_generation
+    from .buckets import GenerationOptions
+
+    options = GenerationOptions.from_any(model.autoxla_generation)
     shapes = sorted({(options.batch_bucket(b), options.prompt_bucket(p)) for b in batch_sizes
                      for p in prompt_lengths})
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs.setdefault("eos_token_id", None)     # run both steps whatever comes out
     before, t0, done = backend.compile_count(), time.perf_counter(), []
-    for batch, length in tqdm(shapes, desc="AutoXLA: warm-up", unit="bucket", disable=not verbose):
-        ids = torch.full((batch, length), 1, dtype=torch.int64)
-        model.generate(input_ids=ids, max_new_tokens=max_new_tokens, _stop_after=2,
-                       **generate_kwargs)
-        done.append((batch, length, options.cache_length(length, max_new_tokens)))
+    with backend.device_owner():     # the whole warm-up before any request thread's generate
+        for batch, length in tqdm(shapes, desc="AutoXLA: warm-up", unit="bucket",
+                                  disable=not verbose):
+            ids = torch.full((batch, length), 1, dtype=torch.int64)
+            model.generate(input_ids=ids, max_new_tokens=max_new_tokens, _stop_after=2,
+                           **generate_kwargs)
+            done.append((batch, length, options.cache_length(length, max_new_tokens)))
     return WarmupReport(tuple(done), backend.compile_count() - before, time.perf_counter() - t0)
