@@ -13,6 +13,17 @@ devices need, whatever mesh saved them. AutoXLA adds what DCP leaves to the call
   as they were and at most a ``.partial`` directory, which ``steps()`` ignores and the next save
   removes. Re-saving a step that exists moves the old one aside (``.replaced``) until the new one
   is in place; ``steps()`` puts it back if a kill came in between.
+* **One writer per directory.** The first ``save`` takes an exclusive lock on
+  ``.autoxla-train.lock`` in the directory (``flock``; the OS drops it when the process ends, even
+  killed) and keeps it until ``close()``: a second process or object saving into the directory
+  gets a TrainingCheckpointError and never touches the first one's work. Repairs of what a killed
+  save left happen only under the lock.
+* **Checked before trusted.** A step is committed only when every file DCP's metadata names is
+  there with its bytes; ``steps()`` lists a step only when its manifest reads back, and
+  ``restore`` checks the manifest, the metadata and every file's size before it touches the model
+  or the optimizer, so a damaged step leaves both as they were. Every failure is a
+  TrainingCheckpointError naming the step and the file. Anything else in the directory is
+  ignored, with a warning.
 * **Names, not positions.** Optimizer state is stored under its parameter's name, so it follows
   the parameter to another mesh, another optimizer instance, or a model built again.
 * **Export.** ``export_safetensors`` writes the model of a step as a normal checkpoint directory
@@ -29,6 +40,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import warnings
 from pathlib import Path
 
@@ -37,9 +49,8 @@ from torch import nn
 
 MANIFEST = "autoxla-train.json"
 FORMAT = 1
-_STEP = re.compile(r"^step-(\d{8})$")
-_PARTIAL = re.compile(r"^step-(\d{8})\.partial$")
-_REPLACED = re.compile(r"^step-(\d{8})\.replaced$")
+LOCK = ".autoxla-train.lock"
+_NAME = re.compile(r"^step-(\d{8,})(\.partial|\.replaced)?$")
 
 
 class TrainingCheckpointError(ValueError):
@@ -48,6 +59,15 @@ class TrainingCheckpointError(ValueError):
 
 def _step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def _parse(entry: str) -> tuple[int, str] | None:
+    """(step, "" | ".partial" | ".replaced") for a name ``_step_name`` writes (any number of
+    digits, no other spelling of the same step), else None."""
+    m = _NAME.match(entry)
+    if not m or entry != _step_name(int(m.group(1))) + (m.group(2) or ""):
+        return None
+    return int(m.group(1)), m.group(2) or ""
 
 
 class TrainingCheckpoints:
@@ -63,20 +83,58 @@ class TrainingCheckpoints:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise TrainingCheckpointError(f"keep={keep!r}: keep at least 1 step, or None for all")
         self.keep = keep
+        self._lock = None        # the open lock file while this object is the directory's writer
+        self._warned: set[str] = set()
+
+    def close(self) -> None:
+        """Give up the directory's writer lock (another process may then save into it)."""
+        lock = getattr(self, "_lock", None)      # None too when __init__ raised
+        if lock is not None:
+            lock.close()             # closing the descriptor releases the flock
+            self._lock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
 
     # -- what is there ---------------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """The committed steps, ascending (a step whose save was killed is not one)."""
+        """The committed steps, ascending (a step whose save was killed is not one, nor a step
+        whose manifest does not read back: that one is named in a warning)."""
         if not self.directory.is_dir():
             return []
-        if _rank() == 0:            # one process repairs; the others only look
-            self._settle_replaced()
+        if _rank() == 0:            # one process repairs, under the lock; the others only look
+            with self._locked_if_free() as locked:
+                if locked:
+                    self._settle_replaced()
         found = []
-        for entry in os.listdir(self.directory):
-            m = _STEP.match(entry)
-            if m and (self.directory / entry / MANIFEST).is_file():
-                found.append(int(m.group(1)))
+        for entry in sorted(os.listdir(self.directory)):
+            parsed = _parse(entry)
+            if parsed is None or not (self.directory / entry).is_dir():
+                if entry != LOCK:
+                    self._warn_once(entry, f"{self.directory / entry} is not a training checkpoint "
+                                    "step; ignored (move it out of the directory to silence this)")
+                continue
+            step, suffix = parsed
+            if suffix or not (self.directory / entry / MANIFEST).is_file():
+                continue            # a save under way or killed: not a step
+            try:
+                _read_manifest(self.directory / entry, step)
+            except TrainingCheckpointError as e:
+                self._warn_once(entry, f"{e}; the step is skipped")
+                continue
+            found.append(step)
         return sorted(found)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def latest(self) -> int | None:
         steps = self.steps()
@@ -91,6 +149,7 @@ class TrainingCheckpoints:
         """Writes model (and optimizer) state as ``step``; returns the step's directory once it is
         committed. Call it after the optimizer step, on every process."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         from . import backend
 
@@ -106,22 +165,73 @@ class TrainingCheckpoints:
         if any(_on_xla(t) for t in _leaves(state)):
             backend.sync()
             backend.wait_for_transfers()
-        leader = _rank() == 0
         self.directory.mkdir(parents=True, exist_ok=True)
         partial = self.directory / (_step_name(step) + ".partial")
-        if leader:
-            self._remove_partials()
+        _leader_decides(self._become_writer)
+        _leader_decides(self._remove_partials)
         _barrier()
-        with _quiet_single_process():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)),
-                     planner=_planner("save", state))
+        try:
+            with _quiet_single_process():
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)),
+                         planner=_planner("save", state))
+        except (Exception, CheckpointException) as e:
+            raise TrainingCheckpointError(f"saving step {step} into {partial} failed: "
+                                          f"{_first_line(e)}") from None
         _barrier()
-        if leader:
-            self._commit(partial, step, manifest)
+        _leader_decides(lambda: self._commit(partial, step, manifest))
         _barrier()
         return self.path(step)
 
+    def _become_writer(self) -> None:
+        """Take the directory's lock, or a TrainingCheckpointError naming who holds it."""
+        import fcntl
+
+        if self._lock is not None:
+            return
+        lock = open(self.directory / LOCK, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise TrainingCheckpointError(
+                f"{self.directory} is being written by {holder}: a training-checkpoint directory "
+                "takes one writer at a time, and a second would corrupt the first's steps. Save "
+                "into another directory, or stop the other run (or close() its "
+                "TrainingCheckpoints) first") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        self._lock = lock
+
+    @contextlib.contextmanager
+    def _locked_if_free(self):
+        """True inside when this object holds the lock or could take it for the moment."""
+        import fcntl
+
+        if self._lock is not None:
+            yield True
+            return
+        try:
+            lock = open(self.directory / LOCK, "a+")
+        except OSError:            # a read-only directory: look, never repair
+            yield False
+            return
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                yield False
+                return
+            yield True
+
     def _commit(self, partial: Path, step: int, manifest: dict) -> None:
+        problem = _missing_data(partial)
+        if problem:
+            raise TrainingCheckpointError(f"step {step} was not committed: {problem} (in "
+                                          f"{partial}); the previous steps are untouched")
         _write_json(partial / MANIFEST, manifest)
         _fsync_dir(partial)
         final = self.path(step)
@@ -137,19 +247,21 @@ class TrainingCheckpoints:
                 shutil.rmtree(self.path(old))
 
     def _remove_partials(self) -> None:
-        """What killed saves left: ``.partial`` directories (never committed)."""
+        """What killed saves left: ``.partial`` directories (never committed; only the writer,
+        holding the lock, calls this, so none is another process's save under way)."""
         for entry in os.listdir(self.directory):
-            if _PARTIAL.match(entry) and (self.directory / entry).is_dir():
+            parsed = _parse(entry)
+            if parsed and parsed[1] == ".partial" and (self.directory / entry).is_dir():
                 shutil.rmtree(self.directory / entry)
 
     def _settle_replaced(self) -> None:
         """A re-save killed between moving the old step aside and renaming the new one in: the
         old one is put back; one killed after: the old one is removed."""
         for entry in os.listdir(self.directory):
-            m = _REPLACED.match(entry)
-            if not m:
+            parsed = _parse(entry)
+            if not parsed or parsed[1] != ".replaced" or not (self.directory / entry).is_dir():
                 continue
-            final = self.path(int(m.group(1)))
+            final = self.path(parsed[0])
             if final.exists():
                 shutil.rmtree(self.directory / entry)
             else:
@@ -162,18 +274,9 @@ class TrainingCheckpoints:
         tensor resharded onto the model's mesh as it is now; returns the step. The model must be
         the one that was saved, loaded the same way (same names and shapes, any mesh)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        steps = self.steps()
-        if step is None:
-            if not steps:
-                raise TrainingCheckpointError(f"no committed training checkpoint in "
-                                              f"{self.directory}; save one first")
-            step = steps[-1]
-        elif step not in steps:
-            raise TrainingCheckpointError(f"step {step} is not a committed checkpoint in "
-                                          f"{self.directory} (committed: {steps or 'none'})")
-        path = self.path(step)
-        manifest = json.loads((path / MANIFEST).read_text())
+        step, path, manifest = self._committed(step)
         model = _unwrap(model)
         params = _named_state(model)
         _check_same(manifest["model"], _describe(params), path)
@@ -183,13 +286,43 @@ class TrainingCheckpoints:
             if saved is None:
                 raise TrainingCheckpointError(f"{path} holds no optimizer state (saved without "
                                               "one); restore the model only, optimizer=None")
+            _check_optimizer(model, optimizer, saved, path)
             state["optimizer"] = _optimizer_templates(model, saved)
-        with _quiet_single_process():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)),
-                     planner=_planner("load", state))
+        # Everything DCP is about to read is there, whole: checked before the first byte lands in
+        # the model, so a damaged step leaves the model and the optimizer as they were.
+        problem = _missing_data(path, state)
+        if problem:
+            others = [s for s in self.steps() if s != step]
+            raise TrainingCheckpointError(f"step {step} is damaged: {problem} (in {path}); the "
+                                          "model and optimizer are untouched. Restore another "
+                                          f"step (restore(..., step=N); committed: {others})")
+        try:
+            with _quiet_single_process():
+                dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)),
+                         planner=_planner("load", state))
+        except (Exception, CheckpointException) as e:
+            raise TrainingCheckpointError(f"reading step {step} from {path} failed: "
+                                          f"{_first_line(e)}; the model may hold part of it: "
+                                          "restore again (another step) before training on") from None
         if optimizer is not None:
             _load_optimizer(model, optimizer, manifest["optimizer"], state["optimizer"])
         return step
+
+    def _committed(self, step: int | None) -> tuple[int, Path, dict]:
+        """(step, its directory, its checked manifest): the latest when ``step`` is None."""
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                raise TrainingCheckpointError(f"no committed training checkpoint in "
+                                              f"{self.directory}; save one first")
+            step = steps[-1]
+        elif step not in steps:
+            if (self.path(step) / MANIFEST).is_file():
+                _read_manifest(self.path(step), step)      # raises what is wrong with it
+            raise TrainingCheckpointError(f"step {step} is not a committed checkpoint in "
+                                          f"{self.directory} (committed: {steps or 'none'})")
+        path = self.path(step)
+        return step, path, _read_manifest(path, step)
 
     # -- export ----------------------------------------------------------------------------------
     def export_safetensors(self, out_dir: str | os.PathLike, step: int | None = None,
@@ -201,11 +334,11 @@ class TrainingCheckpoints:
 
         from . import saving
 
-        step = self.latest() if step is None else step
-        if step is None or step not in self.steps():
-            raise TrainingCheckpointError(f"no committed step {step} in {self.directory}")
-        path = self.path(step)
-        manifest = json.loads((path / MANIFEST).read_text())
+        step, path, manifest = self._committed(step)
+        problem = _missing_data(path)
+        if problem:
+            raise TrainingCheckpointError(f"step {step} is damaged: {problem} (in {path}); "
+                                          "nothing was exported")
         if manifest.get("config") is None:
             raise TrainingCheckpointError(f"{path} was saved from a model without a transformers "
                                           "config, so it cannot be exported as a checkpoint")
@@ -354,22 +487,28 @@ def _optimizer_templates(model: nn.Module, saved: dict) -> dict:
     return out
 
 
+def _check_optimizer(model: nn.Module, optimizer, saved: dict, path: Path) -> None:
+    """The optimizer is the one the step was saved from (class, groups, their parameters):
+    checked before anything is loaded."""
+    names = _param_names(model)
+    if saved["class"] != type(optimizer).__name__:
+        raise TrainingCheckpointError(f"{path}: the optimizer state is {saved['class']}'s, not "
+                                      f"{type(optimizer).__name__}'s: build the same optimizer")
+    if len(saved["groups"]) != len(optimizer.param_groups):
+        raise TrainingCheckpointError(f"{path} has {len(saved['groups'])} parameter group(s), the "
+                                      f"optimizer {len(optimizer.param_groups)}")
+    for g, s in zip(optimizer.param_groups, saved["groups"]):
+        if [names.get(id(p)) for p in g["params"]] != s["params"]:
+            raise TrainingCheckpointError(f"{path}: the optimizer's parameter groups hold other "
+                                          "parameters than the checkpoint's; build it the same way")
+
+
 def _load_optimizer(model: nn.Module, optimizer, saved: dict, loaded: dict) -> None:
     names = _param_names(model)
     order = [p for g in optimizer.param_groups for p in g["params"]]
     index = {names.get(id(p)): i for i, p in enumerate(order)}
-    if saved["class"] != type(optimizer).__name__:
-        raise TrainingCheckpointError(f"the checkpoint's optimizer state is {saved['class']}'s, "
-                                      f"not {type(optimizer).__name__}'s: build the same optimizer")
-    if len(saved["groups"]) != len(optimizer.param_groups):
-        raise TrainingCheckpointError(f"the checkpoint has {len(saved['groups'])} parameter "
-                                      f"group(s), the optimizer {len(optimizer.param_groups)}")
-    groups = []
-    for g, s in zip(optimizer.param_groups, saved["groups"]):
-        if [names.get(id(p)) for p in g["params"]] != s["params"]:
-            raise TrainingCheckpointError("the optimizer's parameter groups hold other parameters "
-                                          "than the checkpoint's; build it the same way")
-        groups.append({**s["settings"], "params": [index[n] for n in s["params"]]})
+    groups = [{**s["settings"], "params": [index[n] for n in s["params"]]}
+              for s in saved["groups"]]
     # In the optimizer's parameter order, as its own state dict lists them (the manifest's JSON
     # sorts names).
     state = {index[n]: {**loaded[n], **saved["scalars"].get(n, {})}
@@ -471,3 +610,126 @@ def _fsync_dir(path: Path) -> None:
     from .saving import _fsync_dir as fsync_dir
 
     fsync_dir(path)
+
+
+# -- checks --------------------------------------------------------------------------------------
+def _read_manifest(path: Path, step: int) -> dict:
+    """The step's manifest, checked for the shape restore and export read (a hand-edited,
+    truncated or foreign file is named, not met later as a KeyError)."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise TrainingCheckpointError(f"step {step}: {file} cannot be read ({_first_line(e)})") \
+            from None
+
+    def bad(what: str):
+        return TrainingCheckpointError(f"step {step}: {file} is not an AutoXLA training manifest "
+                                       f"({what})")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"a JSON {type(manifest).__name__}, not an object")
+    if manifest.get("format") != FORMAT:
+        raise bad(f"format {manifest.get('format')!r}, this AutoXLA reads {FORMAT}")
+    if manifest.get("step") != step:
+        raise bad(f"it says step {manifest.get('step')!r}")
+    tensors = manifest.get("model")
+    if not isinstance(tensors, dict) or not all(_is_tensor_entry(v) for v in tensors.values()):
+        raise bad("its model entry is not a table of shapes and dtypes")
+    stacked = manifest.get("stacked")
+    if not isinstance(stacked, dict) or not all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in stacked.values()):
+        raise bad("its stacked entry is not a table of layer names")
+    opt = manifest.get("optimizer")
+    if opt is not None and not (
+            isinstance(opt, dict) and isinstance(opt.get("class"), str)
+            and isinstance(opt.get("groups"), list)
+            and all(isinstance(g, dict) and isinstance(g.get("settings"), dict)
+                    and isinstance(g.get("params"), list) for g in opt["groups"])
+            and isinstance(opt.get("state"), dict)
+            and all(isinstance(e, dict) and all(_is_tensor_entry(d) and isinstance(d.get("xla"), bool)
+                                                for d in e.values())
+                    for e in opt["state"].values())
+            and isinstance(opt.get("scalars"), dict)):
+        raise bad("its optimizer entry is malformed")
+    return manifest
+
+
+def _is_tensor_entry(d) -> bool:
+    return (isinstance(d, dict) and isinstance(d.get("shape"), list)
+            and all(isinstance(n, int) and n >= 0 for n in d["shape"])
+            and isinstance(d.get("dtype"), str)
+            and isinstance(getattr(torch, d["dtype"], None), torch.dtype))
+
+
+def _missing_data(path: Path, state: dict | None = None) -> str | None:
+    """What of a step's data is not there (None: all of it): DCP's ``.metadata``, every file it
+    names with at least the bytes it names, and each tensor of ``state`` in it."""
+    import torch.distributed.checkpoint as dcp
+
+    if not (path / ".metadata").is_file():
+        return ".metadata is missing"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        ends: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0),
+                                           info.offset + info.length)
+    except Exception as e:         # noqa: BLE001 - unpickling a damaged file raises anything
+        return f".metadata cannot be read ({_first_line(e)})"
+    for name, end in sorted(ends.items()):
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size < end:
+            return f"{name} is truncated ({size} bytes, the metadata needs {end})"
+    if state is not None:
+        missing = [k for k in _flat_keys(state) if k not in metadata.state_dict_metadata]
+        if missing:
+            return f".metadata does not list {missing[:3]}"
+    return None
+
+
+def _flat_keys(state: dict, prefix: str = ""):
+    """DCP's names for the leaves of a nested state: the keys joined by dots."""
+    for k, v in state.items():
+        if isinstance(v, dict):
+            yield from _flat_keys(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception in one line: DCP's CheckpointException carries each rank's whole traceback."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if type(e).__name__ == "CheckpointException":
+        # "...: {rank: (ExcType('message'), traceback)}": the innermost message says what happened
+        for line in reversed(lines):
+            if "Error" in line or "Exception" in line:
+                return line[:300]
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _leader_decides(fn) -> None:
+    """Run ``fn`` on process 0 and raise its TrainingCheckpointError on every process (raised on
+    process 0 alone, the others would wait at the next barrier for ever)."""
+    message = None
+    if _rank() == 0:
+        try:
+            fn()
+        except TrainingCheckpointError as e:
+            message = str(e)
+    message = _broadcast(message)
+    if message:
+        raise TrainingCheckpointError(message)
+
+
+def _broadcast(value):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

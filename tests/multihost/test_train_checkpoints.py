@@ -205,7 +205,7 @@ def test_two_processes_commit_one_step(tmp_path):
     for p in ranks:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out[-3000:]
-    assert sorted(os.listdir(root)) == ["expected.pt", "step-00000001"]
+    assert sorted(os.listdir(root)) == [".autoxla-train.lock", "expected.pt", "step-00000001"]
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
     TrainingCheckpoints(root).restore(model)
