@@ -233,9 +233,9 @@ def run(args) -> int:
         else:
             print(selftest.describe(where, checks))
         return 0 if all(c.ok for c in checks) else 1
-    for name in ("seq", "batch"):
+    for name in ("seq", "batch", "timeout"):
         value = getattr(args, name)
-        if value is not None and value < 1:
+        if value is not None and not value > 0:
             raise ValueError(f"--{name} {value}: pass a positive number")
     path = args.path
     if path is not None:

@@ -60,6 +60,11 @@ def run(args) -> int:
         print(list_formats())
         return 0
     formats = formats_from(args)
+    for name in ("window", "max_tokens"):      # checked before any model loads
+        value = getattr(args, name)
+        if value is not None and value < 2:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: perplexity needs windows of at "
+                             "least 2 tokens")
     if args.path is None:
         raise ValueError("eval-quant needs a checkpoint: autoxla eval-quant PATH [--formats ...]")
     if not os.path.isdir(args.path):

@@ -6,6 +6,7 @@ spent compiling, prefill and decode throughput.
 """
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -32,8 +33,19 @@ def add_arguments(p) -> None:
 
 def run(args, dtypes: dict) -> int:
     from . import backend
+    from .loading.checkpoint import require_path_or_hub_id
+    from .sharding.hosts import SIMULATE_ENV
 
     backend.use_cpu_devices(args.devices)
+    require_path_or_hub_id(args.path)
+    if os.environ.get(SIMULATE_ENV):
+        # One process standing in for one host of several loads only that host's shards: the
+        # other devices hold NaN, and the text would be garbage (docs/multihost.md).
+        raise ValueError(f"{SIMULATE_ENV}={os.environ[SIMULATE_ENV]} is set: this process would "
+                         "load one simulated host's shards only and generate garbage; unset it "
+                         f"(unset {SIMULATE_ENV}) to generate text")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: ask for at least 1")
     from transformers import AutoTokenizer, TextStreamer
 
     from .modeling import AutoXLAModelForCausalLM

@@ -169,7 +169,7 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
                              "the tokenizer files beside the weights (tokenizer.save_pretrained)"
                              ) from e
         windows = token_windows(tokenizer, text if text is not None else read_text(text_file),
-                                max_tokens, window or DEFAULT_WINDOW)
+                                max_tokens, DEFAULT_WINDOW if window is None else window)
     else:
         if text is not None or text_file is not None or max_tokens is not None:
             raise ValueError(f"{path} is a segmentation model ({type(config).__name__}), "

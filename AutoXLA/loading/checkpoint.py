@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
 import warnings
@@ -305,9 +306,24 @@ def _pickle_files(d: Path):
     return files, pickle_map
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def require_path_or_hub_id(path) -> None:
+    """A CheckpointError when ``path`` neither exists nor could be a hub id ("owner/name"):
+    saying the path does not exist, instead of the hub client's "Repo id must be in the form"."""
+    text = os.fspath(path)
+    if os.path.exists(text) or (_HUB_ID.match(text) and ".." not in text):
+        return
+    raise CheckpointError(f"{text} does not exist: pass the directory of a checkpoint (config.json "
+                          "and weights), or a hub id (owner/name)")
+
+
 def _download(repo_id: str, use_safetensors, revision=None, cache_dir=None,
               local_files_only=False, token=None, **_ignored) -> Path:
     from huggingface_hub import snapshot_download
+
+    require_path_or_hub_id(repo_id)
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
     if use_safetensors is False:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,13 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
                       scan_layers=opts.scan_layers)
     if opts.multislice is not None:
         plan.notes.append("links: " + opts.multislice.links(shape))
+    host = backend.current_host()
+    if host.simulated:
+        plan.simulated_host = f"{host.index}/{host.count}"
+        warnings.warn(f"AUTOXLA_SIMULATE_HOST={plan.simulated_host}: this process loads the shards "
+                      f"of simulated host {host.index} of {host.count} only; the other devices hold "
+                      "NaN, so outputs are not meaningful (a multi-host test setting; unset it to "
+                      "run the model)", RuntimeWarning, stacklevel=3)
     return plan, mesh
 
 

@@ -32,6 +32,7 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
     from transformers import PretrainedConfig
     from transformers.initialization import no_init_weights
 
+    from ..loading.checkpoint import require_path_or_hub_id
     from ..modeling.causal import causal_or_image_text_class
     from ..modeling.empty import load_config
     from ..modeling.pipeline import empty_model, pick_auto_class, quantize_on_meta
@@ -45,7 +46,10 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
         if os.path.isfile(path):            # a config.json given directly
             path = os.path.dirname(os.path.abspath(path))
         elif not os.path.exists(path):
-            path = shipped_config_dir(path) or path
+            shipped = shipped_config_dir(path)
+            if shipped is None:
+                require_path_or_hub_id(path)
+            path = shipped or path
         config = load_config(path)
     if isinstance(dtype, str):
         if dtype.lower() not in DTYPE_NAMES:

@@ -69,6 +69,9 @@ class Plan:
     attention: tuple[int, int, int] | None = None
     # The decoder stack of a model that generates: scanned as one loop, or why not.
     stack: StackPlan | None = None
+    # "i/P" when this process stands in for host i of P (AUTOXLA_SIMULATE_HOST, tests only): it
+    # loads that host's shards only and every other device holds NaN.
+    simulated_host: str | None = None
 
     def __getitem__(self, name: str) -> TensorPlan:
         index = self._by_name()
@@ -129,7 +132,10 @@ class Plan:
         return (f"{self.model_class}: strategy {self.strategy}, mesh {self.mesh} on "
                 f"{self.mesh.num_devices} devices, {self.dtype}{quant}; {total / 2**20:.1f} MiB, "
                 f"{per_dev / 2**20:.1f} MiB per device, "
-                f"{len(self.replicated_for_divisibility)} tensor(s) replicated for divisibility")
+                f"{len(self.replicated_for_divisibility)} tensor(s) replicated for divisibility"
+                + (f"; SIMULATED host {self.simulated_host} (AUTOXLA_SIMULATE_HOST): the other "
+                   "hosts' devices hold NaN, outputs are not meaningful" if self.simulated_host
+                   else ""))
 
     def kv_cache(self, batch: int, length: int, dtype=None) -> KVCachePlan:
         """The static KV cache generation allocates for ``batch`` sequences of ``length`` slots:
