@@ -148,9 +148,6 @@ class TrainingCheckpoints:
              ) -> Path:
         """Writes model (and optimizer) state as ``step``; returns the step's directory once it is
         committed. Call it after the optimizer step, on every process."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
         from . import backend
 
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -170,13 +167,7 @@ class TrainingCheckpoints:
         _leader_decides(self._become_writer)
         _leader_decides(self._remove_partials)
         _barrier()
-        try:
-            with _quiet_single_process():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(partial)),
-                         planner=_planner("save", state))
-        except (Exception, CheckpointException) as e:
-            raise TrainingCheckpointError(f"saving step {step} into {partial} failed: "
-                                          f"{_first_line(e)}") from None
+        _run_dcp("save", state, partial, f"saving step {step} into {partial} failed")
         _barrier()
         _leader_decides(lambda: self._commit(partial, step, manifest))
         _barrier()
@@ -273,9 +264,6 @@ class TrainingCheckpoints:
         """Loads ``step`` (default: the latest) into ``model`` (and ``optimizer``) in place, each
         tensor resharded onto the model's mesh as it is now; returns the step. The model must be
         the one that was saved, loaded the same way (same names and shapes, any mesh)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
         step, path, manifest = self._committed(step)
         model = _unwrap(model)
         params = _named_state(model)
@@ -296,14 +284,8 @@ class TrainingCheckpoints:
             raise TrainingCheckpointError(f"step {step} is damaged: {problem} (in {path}); the "
                                           "model and optimizer are untouched. Restore another "
                                           f"step (restore(..., step=N); committed: {others})")
-        try:
-            with _quiet_single_process():
-                dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)),
-                         planner=_planner("load", state))
-        except (Exception, CheckpointException) as e:
-            raise TrainingCheckpointError(f"reading step {step} from {path} failed: "
-                                          f"{_first_line(e)}; the model may hold part of it: "
-                                          "restore again (another step) before training on") from None
+        _run_dcp("load", state, path, f"reading step {step} from {path} failed",
+                 "; the model may hold part of it: restore again (another step) before training on")
         if optimizer is not None:
             _load_optimizer(model, optimizer, manifest["optimizer"], state["optimizer"])
         return step
@@ -573,6 +555,25 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _run_dcp(kind: str, state: dict, path: Path, failed: str, advice: str = "") -> None:
+    """DCP's save or load of ``state`` at ``path``; its failures (a CheckpointException is a
+    BaseException carrying every rank's traceback) as one TrainingCheckpointError line:
+    ``failed``, DCP's own words, ``advice``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_single_process():
+            if kind == "save":
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)),
+                         planner=_planner(kind, state))
+            else:
+                dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)),
+                         planner=_planner(kind, state))
+    except (Exception, CheckpointException) as e:
+        raise TrainingCheckpointError(f"{failed}: {_first_line(e)}{advice}") from None
 
 
 def _planner(kind: str, state: dict):

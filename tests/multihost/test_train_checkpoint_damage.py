@@ -213,3 +213,22 @@ def test_stray_files_are_ignored_with_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")                         # said once per name
         assert saves.steps() == [1, 2]
+
+
+def test_an_io_error_inside_dcp_is_one_line_naming_the_step(tmp_path, monkeypatch):
+    """DCP wraps a reader's failure in a CheckpointException (a BaseException, every rank's
+    traceback in its text): it reaches the user as one TrainingCheckpointError line."""
+    model, opt = _trained()
+    saves = TrainingCheckpoints(tmp_path)
+    saves.save(1, model, opt)
+
+    def fails(self, *args, **kwargs):
+        raise OSError("Input/output error: the disk went away")
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", fails)
+    with pytest.raises(TrainingCheckpointError) as e:
+        saves.restore(model, opt)
+    message = str(e.value)
+    assert message.startswith(f"reading step 1 from {saves.path(1)} failed: ")
+    assert "the disk went away" in message and "\n" not in message
+    assert "restore again (another step)" in message
