@@ -56,7 +56,9 @@ def _sqnr_db(got, ref):
     return float(10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum()))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "mp", "2d"])
+# fsdp and 2d: 2d splits the model axis as mp does (2 ways instead of 8), so mp adds compile
+# time, not a code path.
+@pytest.mark.parametrize("strategy", ["fsdp", "2d"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_outputs_equal_transformers(family, strategy, seg_checkpoints, references, xla_devices):
     model = AutoXLAModelForImageSegmentation.from_pretrained(seg_checkpoints[family],
