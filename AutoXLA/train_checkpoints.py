@@ -164,8 +164,7 @@ class TrainingCheckpoints:
             backend.wait_for_transfers()
         self.directory.mkdir(parents=True, exist_ok=True)
         partial = self.directory / (_step_name(step) + ".partial")
-        _leader_decides(self._become_writer)
-        _leader_decides(self._remove_partials)
+        _leader_decides(self._prepare_to_write)
         _barrier()
         _run_dcp("save", state, partial, f"saving step {step} into {partial} failed")
         _barrier()
@@ -173,16 +172,17 @@ class TrainingCheckpoints:
         _barrier()
         return self.path(step)
 
+    def _prepare_to_write(self) -> None:
+        """On process 0: the lock first, then what killed saves left (only the writer clears)."""
+        self._become_writer()
+        self._remove_partials()
+
     def _become_writer(self) -> None:
         """Take the directory's lock, or a TrainingCheckpointError naming who holds it."""
-        import fcntl
-
         if self._lock is not None:
             return
         lock = open(self.directory / LOCK, "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        if not _flock_now(lock):
             lock.seek(0)
             holder = lock.read().strip() or "another process"
             lock.close()
@@ -200,8 +200,6 @@ class TrainingCheckpoints:
     @contextlib.contextmanager
     def _locked_if_free(self):
         """True inside when this object holds the lock or could take it for the moment."""
-        import fcntl
-
         if self._lock is not None:
             yield True
             return
@@ -211,12 +209,7 @@ class TrainingCheckpoints:
             yield False
             return
         with lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                yield False
-                return
-            yield True
+            yield _flock_now(lock)
 
     def _commit(self, partial: Path, step: int, manifest: dict) -> None:
         problem = _missing_data(partial)
@@ -710,6 +703,17 @@ def _first_line(e: BaseException) -> str:
             if "Error" in line or "Exception" in line:
                 return line[:300]
     return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _flock_now(lock) -> bool:
+    """An exclusive flock on the open file ``lock`` if nobody holds one: True when taken."""
+    import fcntl
+
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
 
 
 def _leader_decides(fn) -> None:
