@@ -224,8 +224,12 @@ static axl_qcand candidate(const axl_qformat *f, int i, const axl_qcand *plain, 
     c.inv = (r + t_range[i]) / (hi - lo);
     if (f->scheme == AXL_Q_ZERO_POINT) {
         const int32_t qmin = -(int32_t)n - 1, qmax = (int32_t)n;
-        int32_t z = (int32_t)axl_round_small(-0.5f - center * c.inv);
-        c.zp = z < qmin ? qmin : z > qmax ? qmax : z;
+        /* Clamped as a float, then converted: a range too small for its inv (+-Inf, or a
+         * product beyond int32) made the conversion undefined (clang's UBSan); such a
+         * candidate is then dropped by its inv in search_block, NaN and -Inf give qmin as
+         * before, and every in-range z the same level. */
+        const float z = axl_round_small(-0.5f - center * c.inv);
+        c.zp = !(z >= (float)qmin) ? qmin : z > (float)qmax ? qmax : (int32_t)z;
     } else {
         c.a = center + 0.5f / c.inv;
     }
