@@ -7,7 +7,9 @@ a native TPU backend (docs/architecture.md).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import sys
 import threading
 
 import numpy as np
@@ -34,8 +36,25 @@ def use_cpu_devices(count: int = 8) -> None:
         os.environ.setdefault("CPU_NUM_DEVICES", str(count))
 
 
+def _answer_missing_jax_at_once() -> None:
+    """Make the imports of JAX and torchax that torch_xla retries fail at once when JAX is absent.
+
+    torch_xla's `mark_sharding` tries `import torchax` and `import jax` on every call; without JAX
+    both fail, and the torchax copy in the torch_xla wheel runs its package code before failing.
+    Measured (8 virtual devices, a busy 2-core machine): 0.80 ms per mark_sharding, 0.09 ms with
+    the imports answered at once; paid on every traced step (54 calls per 8 decode steps). A None
+    in sys.modules is Python's way to say "not importable": the import raises ModuleNotFoundError
+    at once and `importlib.util.find_spec` answers None, as before. Where JAX is installed (a TPU,
+    the emulated kernels) nothing changes.
+    """
+    if importlib.util.find_spec("jax") is None:
+        for name in ("jax", "torchax"):
+            sys.modules.setdefault(name, None)
+
+
 @functools.cache
 def _xla():
+    _answer_missing_jax_at_once()
     try:
         import torch_xla
         import torch_xla.runtime as xr

@@ -29,6 +29,32 @@ def test_sharded_matmul_equals_unsharded(xla_devices):
     torch.testing.assert_close(c.cpu(), a @ b, atol=1e-5, rtol=1e-5)
 
 
+def test_mark_sharding_does_not_retry_a_failed_jax_import_per_call(xla_devices):
+    """torch_xla's mark_sharding imports torchax and jax on every call; without JAX each failed
+    import ran torchax's package code again (backend._answer_missing_jax_at_once)."""
+    import importlib.util
+    import sys
+
+    if sys.modules.get("jax") is not None:
+        pytest.skip("JAX is installed in this process: the imports succeed and nothing changes")
+    from torch_xla._internal import jax_workarounds
+
+    executed = []
+    finder = type("Spy", (), {"find_spec": staticmethod(
+        lambda name, path=None, target=None: executed.append(name))})
+    sys.meta_path.insert(0, finder)
+    try:
+        mesh = backend.make_mesh(MeshShape(1, 8, 1))
+        backend.mark_sharding(torch.zeros(8, 4, device=backend.device()), mesh, ("fsdp", None))
+        assert jax_workarounds.maybe_get_torchax() is None
+        assert jax_workarounds.maybe_get_jax(log=False) is None
+    finally:
+        sys.meta_path.remove(finder)
+    # Answered from sys.modules: no finder was asked for either package again.
+    assert not [n for n in executed if n.split(".")[0] in ("jax", "torchax")], executed
+    assert importlib.util.find_spec("jax") is None and importlib.util.find_spec("torchax") is None
+
+
 # Specs with single axes, tuples of axes (row-major order matters) and replicated dims.
 SPECS = [(("fsdp", "model"), (16, 8)), (("model", "fsdp"), (16, 8)), ((None, "fsdp"), (3, 8)),
          ((("data", "fsdp"), None), (8, 5)), ((("fsdp", "data"), "model"), (8, 6)),
