@@ -167,6 +167,25 @@ def sync() -> None:
     torch_xla.sync()
 
 
+def run_step() -> None:
+    """Launch the pending graph, one step of a loop that launches the next at once.
+
+    On XLA:CPU with more than one device, wait for it to finish: XLA:CPU gives every
+    execution's collectives the same rendezvous key (RunId 0), so when steps are launched back to
+    back a fast device can enter step n+1's all-reduce while a slow one is still in step n's,
+    and the runtime aborts the process after 10 s ("Expected 8 threads to join the rendezvous,
+    but only 7 of them arrived": 2 of 8 runs of 128 decode steps launched back to back, 8
+    virtual devices). Elsewhere the next step is traced while this one runs.
+    """
+    torch_xla, _, _ = _xla()
+    torch_xla.sync(wait=_serial_devices())
+
+
+@functools.cache
+def _serial_devices() -> bool:
+    return not on_tpu() and device_count() > 1
+
+
 def make_mesh(shape: MeshShape, multislice=None):
     """A torch_xla Mesh over all devices with axes ("data", "fsdp", "model").
 
@@ -522,3 +541,82 @@ def persistent_cache_counters() -> dict[str, int]:
 def transfers_from_device() -> int:
     """Number of device-to-host transfers so far in this process (torch_xla's metrics)."""
     return _metric_count("TransferFromDeviceTime")
+
+
+class NotTraceable(RuntimeError):
+    """A function read a device value while it was being traced: its graph may depend on the
+    value, so the traced program cannot stand for later calls."""
+
+
+class TracedPrograms:
+    """Functions of device tensors traced once per input signature into an XLA computation.
+
+    ``get(key, fn, inputs, weights)`` returns the ``Program`` for ``fn(inputs) -> outputs``
+    (lists of tensors) at this (key, shapes, dtypes) signature, tracing ``fn`` through torch_xla's
+    lazy tensors only the first time the signature is seen; calling the program adds its one XLA
+    computation to the graph (torch_xla's user computations, as its ``assume_pure_torch``), so
+    the Python inside ``fn`` runs once. ``weights`` are tensors ``fn`` reads that may change
+    between calls (a model's parameters and buffers, updated in place by training): each call
+    passes their current values. Any other device tensor ``fn`` reads is frozen at its value at
+    trace time, so ``fn`` must read only ``inputs``, ``weights`` and constants.
+
+    The trace runs on copies of the real inputs, not on buffer-less placeholders: reading a
+    placeholder's value kills the process (SIGSEGV), while a read here is counted and refused
+    (``NotTraceable``) before anything is kept. The traced outputs are dropped unrun, and
+    ``fn``'s side effects on ``inputs`` (in-place updates) stay on the copies.
+    """
+
+    def __init__(self, name: str):
+        self.name = "xla::autoxla_" + name
+        self._programs: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def get(self, key, fn, inputs: list, weights: list = ()) -> "Program":
+        signature = (key, _signature(inputs), _signature(weights))
+        program = self._programs.get(signature)
+        if program is None:
+            program = self._programs[signature] = Program(self.name, fn, inputs, weights)
+        return program
+
+
+class Program:
+    """One traced computation and where each of its parameters comes from: an input, a weight
+    (both by position), or a tensor frozen at trace time."""
+
+    def __init__(self, name: str, fn, inputs: list, weights: list):
+        torch_xla, _, _ = _xla()
+        from torch_xla.core.xla_builder import computation_from_module_proto
+
+        # Every input device data, a graph leaf of its own (else its graph would be baked into
+        # the program). Only the inputs: other pending tensors (a cache about to be replaced)
+        # stay unrun.
+        torch_xla._XLAC._xla_sync_multi(list(inputs), devices=[], wait=False)
+        reads = transfers_from_device()
+        outputs = list(fn([t.clone() for t in inputs]))
+        if transfers_from_device() != reads:
+            raise NotTraceable(f"{name} read a device value while it was traced")
+        ctx = torch_xla._XLAC.lowering.LoweringContext("AutoXLAProgram")
+        ctx.set_name_string(name)
+        ctx.build(outputs)
+        self.name = name
+        self.computation = computation_from_module_proto(name, ctx.hlo())
+        sources = {}
+        for kind, tensors in (("input", inputs), ("weight", weights)):
+            for i, t in enumerate(tensors):
+                pid = ctx.tensor_parameter_id(t)
+                if pid != -1:
+                    sources.setdefault(pid, (kind, i))
+        frozen = ctx.device_parameter_id_tensor_mapping()
+        self.sources = [sources.get(pid, ("frozen", frozen[pid])) for pid in range(len(frozen))]
+        self._call = torch_xla._XLAC._xla_user_computation
+
+    def __call__(self, inputs: list, weights: list = ()) -> list:
+        args = [inputs[at] if kind == "input" else weights[at] if kind == "weight" else at
+                for kind, at in self.sources]
+        return self._call(self.name, args, self.computation)
+
+
+def _signature(tensors) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)

@@ -1,5 +1,6 @@
-"""Running one measurement in a fresh process on 8 virtual XLA:CPU devices, for the benchmarks:
-no side inherits another's compiled programs, and a child that dies is reported, not fatal."""
+"""Running one measurement in a fresh process on virtual XLA:CPU devices (8 unless told), for the
+benchmarks: no side inherits another's compiled programs, and a child that dies is reported, not
+fatal."""
 from __future__ import annotations
 
 import json
@@ -12,17 +13,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child_env() -> dict:
-    return dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", TF_CPP_MIN_LOG_LEVEL="2",
-                PYTHONPATH=str(ROOT))
+def child_env(devices: int = 8) -> dict:
+    return dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices),
+                TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
 
 
-def run_json_child(args: list[str], limit: float) -> dict:
+def run_json_child(args: list[str], limit: float, devices: int = 8) -> dict:
     """``python args...``; its last stdout line as JSON, or {"error": why} (time limit, or exit
     code with the last line of stderr)."""
     t0 = time.perf_counter()
     try:
-        out = subprocess.run([sys.executable, *args], env=child_env(), capture_output=True,
+        out = subprocess.run([sys.executable, *args], env=child_env(devices), capture_output=True,
                              text=True, timeout=limit)
     except subprocess.TimeoutExpired:
         return {"error": f"not finished after {limit:.0f} s"}

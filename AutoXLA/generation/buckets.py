@@ -37,6 +37,10 @@ class GenerationOptions:
     max_positions: the most positions (prompt + new tokens) one request may ask; None: the
         model's max_position_embeddings. A server sets it lower to bound every request; set it
         higher only for a model known to read past its trained positions.
+    trace_steps_once: trace the prefill and the decode step once per bucket and reuse the traced
+        program (generation/steps.py); False traces the model's forward on every step, as before
+        (about 10 ms more host time per token on a small model; for comparison, or if a
+        model's traced step ever misbehaves).
     """
 
     batch_buckets: object = POWERS_OF_TWO
@@ -47,6 +51,7 @@ class GenerationOptions:
     max_cache_len: int | None = None
     stop_check_every: int = 8
     max_positions: int | None = None
+    trace_steps_once: bool = True
 
     def __post_init__(self):
         for name in ("batch_buckets", "prompt_buckets", "cache_buckets"):
@@ -62,6 +67,8 @@ class GenerationOptions:
                                                isinstance(self.max_positions, int)
                                                or self.max_positions < 2):
             raise ValueError(f"max_positions must be an int >= 2 or None, got {self.max_positions!r}")
+        if not isinstance(self.trace_steps_once, bool):
+            raise ValueError(f"trace_steps_once must be True or False, got {self.trace_steps_once!r}")
 
     @classmethod
     def from_any(cls, value) -> "GenerationOptions":

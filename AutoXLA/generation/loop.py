@@ -5,10 +5,9 @@ Per call: the prompt is padded up to its buckets on the host, the static KV cach
 the cache bucket, one prefill step runs the prompt (as an ordinary forward), copies its keys and
 values into the cache and picks the first token, then each decode step feeds one token per row.
 Everything a step changes (the cache, its fill level, the step counter, the tokens so far, which
-rows finished) lives on the device, so every decode step traces to the same graph and runs the
-program compiled for the first one. The host
-looks at the device only every ``stop_check_every`` steps (has every row finished?) and once at
-the end (the tokens).
+rows finished) lives on the device, so every decode step is the same program; the steps are traced
+once, not per token (steps.py). The host looks at the device only every ``stop_check_every`` steps
+(has every row finished?) and once at the end (the tokens).
 """
 from __future__ import annotations
 
@@ -20,10 +19,10 @@ import torch
 
 from .. import backend
 from .buckets import GenerationOptions
-from .cache import allocate, pin, write_prompt
 from . import validate
+from .cache import allocate
 from .request import build_request
-from .sampling import Sampler, next_tokens
+from .steps import Steps, replicated
 
 
 @dataclass
@@ -49,6 +48,20 @@ class Stats:
     decode_seconds: float = 0.0
     prefill_compile_seconds: float = 0.0
     decode_compile_seconds: float = 0.0
+    # CPU time this thread spent issuing the decode steps (tracing, if any, and dispatch); the
+    # rest of decode_seconds is waiting on the device and compiling.
+    decode_host_seconds: float = 0.0
+    traced: str = ""             # "once", or why the steps were traced every time
+
+    @property
+    def host_ms_per_token(self) -> float:
+        return 1000 * self.decode_host_seconds / max(self.steps, 1)
+
+    @property
+    def device_ms_per_token(self) -> float:
+        """Decode wall time not spent by the host issuing steps nor compiling, per token."""
+        busy = self.decode_seconds - self.decode_compile_seconds - self.decode_host_seconds
+        return 1000 * max(busy, 0.0) / max(self.steps, 1)
 
     @property
     def steps(self) -> int:
@@ -115,7 +128,7 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     if streamer is not None:
         streamer.put(ids)                 # as transformers: the prompt first
     with backend.device_owner():          # one generating thread at a time (docs/generation.md)
-        new = _run(model, prompt, request, kv, options.stop_check_every, streamer, stats, batch,
+        new = _run(model, prompt, request, kv, options, streamer, stats, batch,
                    _stop_after or request.max_new_tokens)
         model.autoxla_last_generate = stats
     return torch.cat([ids, new], dim=1).to(out_device)
@@ -128,64 +141,57 @@ def _activation_dtype(hf) -> torch.dtype:
     return getattr(table, "output_dtype", table.weight.dtype)
 
 
-def _run(model, prompt: Prompt, request, kv, check_every: int, streamer, stats: Stats,
+def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streamer, stats: Stats,
          batch: int, steps: int) -> torch.Tensor:
     dev = backend.device()
     mesh = model.autoxla_mesh
     cache = allocate(kv, mesh, dev, stacked=_scanned(model))
-    sampler = Sampler(request, dev)
-    eos = torch.tensor(request.eos_token_ids or (-1,), dtype=torch.int64, device=dev)
-    pad = request.fill_token_id
     # Inputs from the host are replicated from the start: a tensor first used by the first
     # decode step would otherwise enter it unsharded and every later step replicated, two
     # different programs.
-    mask, lengths, finished = (_replicated(t.to(dev), mesh)
+    mask, lengths, finished = (replicated(t.to(dev), mesh)
                                for t in (prompt.mask, prompt.lengths, prompt.finished))
-    tokens = torch.full((kv.batch, kv.length), pad, dtype=torch.int64, device=dev)
-    step = torch.zeros((), dtype=torch.int64, device=dev)
-    keep = _logits_kwargs(model)
+    run = Steps(model, request, cache, kv, mesh, _logits_kwargs(model), dev,
+                options.trace_steps_once)
+    check_every = options.stop_check_every
     eos_ids = request.eos_token_ids
     watch = streamer is not None or bool(eos_ids)   # else nothing to look at before the end
 
     t0, c0 = time.perf_counter(), backend.compile_seconds()
-    logits = _prefill(model, prompt, cache, dev, keep)
-    pin(cache, kv, mesh)
-    token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished, eos, pad,
-                                                   mesh)
-    backend.sync()
-    streamed, stopped = _check(done, tokens, streamer, 0, 1, batch, eos_ids) if watch else (0, False)
+    length = prompt.ids.shape[1]
+    carry, done = run.prefill(finished, prompt.ids.to(dev), prompt.mask[:, :length].to(dev),
+                              prompt.positions.to(dev))
+    backend.run_step()
+    streamed, stopped = (_check(done, carry.tokens, streamer, 0, 1, batch, eos_ids) if watch
+                         else (0, False))
     stats.prefill_seconds = time.perf_counter() - t0   # with a check, the prefill has run
     stats.prefill_compile_seconds = backend.compile_seconds() - c0
     steps_run = 1
-    t0, c0 = time.perf_counter(), backend.compile_seconds()
+    t0, c0, host = time.perf_counter(), backend.compile_seconds(), 0.0
     for t in range(1, min(steps, request.max_new_tokens)):
         if stopped:
             break
         if watch and t % check_every == 0:
-            streamed, stopped = _check(done, tokens, streamer, streamed, t, batch, eos_ids)
+            streamed, stopped = _check(done, carry.tokens, streamer, streamed, t, batch, eos_ids)
             if stopped:
                 break
-        positions = (lengths + step - 1).unsqueeze(1)
-        logits = _forward(model, token.unsqueeze(1), mask, positions, cache, keep)
-        pin(cache, kv, mesh)
-        token, tokens, finished, done, step = _advance(logits, sampler, step, tokens, finished,
-                                                       eos, pad, mesh)
-        backend.sync()
+        h0 = time.thread_time()      # this thread's CPU time: waiting on the device is not in it
+        carry, done = run.decode(carry, mask, lengths)
+        backend.run_step()
+        host += time.thread_time() - h0
         steps_run += 1
-    host = tokens.cpu()
+    tokens = carry.tokens.cpu()
     stats.decode_seconds = time.perf_counter() - t0
     stats.decode_compile_seconds = backend.compile_seconds() - c0
+    stats.decode_host_seconds = host
     stats.new_tokens = steps_run
-    new = _trim(host[:batch, :steps_run], eos_ids)
+    stats.traced = run.traced
+    new = _trim(tokens[:batch, :steps_run], eos_ids)
     if streamer is not None:
         if batch == 1:
             streamer.put(new[0, streamed:])
         streamer.end()
     return new
-
-
-def _replicated(t: torch.Tensor, mesh) -> torch.Tensor:
-    return backend.mark_sharding(t, mesh, (None,) * t.dim())
 
 
 def _check(done, tokens, streamer, streamed: int, upto: int, batch: int, eos_ids):
@@ -219,42 +225,8 @@ def _logits_kwargs(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
-def _prefill(model, prompt: Prompt, cache, dev, keep: dict) -> torch.Tensor:
-    """The prompt's forward with transformers' dynamic cache, then its keys and values copied
-    into the static cache's first slots. Queries and keys then have the same length, as in any
-    forward: transformers builds its usual causal (and window) masks, and the attention kernels
-    take their structured path (block skipping; the Pallas kernel on a TPU) instead of a dense
-    mask over the whole cache."""
-    from transformers.cache_utils import DynamicCache
-
-    length = prompt.ids.shape[1]
-    prompt_cache = DynamicCache()     # no config: full layers, the sliding ones too
-    logits = _forward(model, prompt.ids.to(dev), prompt.mask[:, :length].to(dev),
-                      prompt.positions.to(dev), prompt_cache, keep)
-    write_prompt(cache, prompt_cache, length, dev)
-    return logits
-
-
 def _scanned(model) -> bool:
     stack = model.autoxla_plan.stack
     return stack is not None and stack.scanned
 
 
-def _forward(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, **keep)
-    return out.logits[:, -1, :]
-
-
-def _advance(logits, sampler, step, tokens, finished, eos, pad: int, mesh):
-    """Pick each row's next token (pad once a row finished), record it, update the flags."""
-    token = next_tokens(logits, sampler, step)
-    token = torch.where(finished, torch.full_like(token, pad), token)
-    tokens = tokens.index_copy(1, step.reshape(1), token.unsqueeze(1))
-    # The state carried to the next step, replicated (it is a few integers per row): reading
-    # the tokens back is then a plain copy (a batch-sharded result needs a gathering program
-    # per cache length), and the first decode step gets inputs sharded as every later one
-    # (the prefill's outputs are otherwise sharded by its own propagation: one more program).
-    tokens, token = _replicated(tokens, mesh), _replicated(token, mesh)
-    finished = _replicated(finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1), mesh)
-    return token, tokens, finished, finished.all(), step + 1

@@ -10,6 +10,8 @@ Filters follow transformers' warpers in their order (temperature, then top-k, th
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -65,13 +67,14 @@ def next_tokens(logits: torch.Tensor, sampler: "Sampler", step: torch.Tensor) ->
     return torch.argmax(scores + gumbel(sampler.seed, step, rows, vocab), dim=-1)
 
 
+@dataclass
 class Sampler:
-    """A request's sampling settings as device tensors (values change nothing compiled)."""
+    """A request's sampling settings. Whether to sample and ``top_k`` are compiled into the
+    programs; temperature, top-p and the seed are device tensors, so their values change nothing
+    compiled (None where unused)."""
 
-    def __init__(self, request, device):
-        self.do_sample = request.do_sample
-        self.top_k = request.top_k
-        self.temperature = torch.tensor(request.temperature, dtype=torch.float32, device=device)
-        self.top_p = (torch.tensor(request.top_p, dtype=torch.float32, device=device)
-                      if request.top_p < 1.0 else None)
-        self.seed = torch.tensor(request.seed, dtype=torch.int64, device=device)
+    do_sample: bool
+    top_k: int | None
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    seed: torch.Tensor | None = None

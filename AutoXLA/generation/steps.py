@@ -1,0 +1,204 @@
+"""The prefill and the decode step as functions of device tensors, each traced once.
+
+Running a step means running the model's Python forward, which torch_xla traces into a graph
+every time: 15 to 24 ms of host work per token on a tiny model, ten times its device time
+(docs/generation.md, "Host time per token"). Here a step is a function of its device tensors
+only (the request's settings, the loop's state, the KV cache, the model's weights), so
+``backend.TracedPrograms`` traces it on its first call into one XLA computation per input
+signature, and every later call adds that computation to the graph without running the model's
+Python. The programs live with the model (one set per model), so a second ``generate`` call with
+the same buckets traces nothing.
+
+A model whose forward reads a device value while traced (a data-dependent branch, which would be
+frozen into the program) is refused by the trace; its steps then run traced every time, as
+before, and ``Stats.traced`` says why.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .. import backend
+from .cache import pin, write_prompt
+from .sampling import Sampler, next_tokens
+from .stacked_cache import StackedStaticCache
+
+logger = logging.getLogger("AutoXLA")
+
+# Per model: {"prefill" | "decode": TracedPrograms, and why a kind is traced every time}.
+_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Carry:
+    """What one step hands to the next, on the device: the token each row picked, the tokens so
+    far ([batch, cache length]), which rows finished, and the step counter."""
+
+    token: torch.Tensor
+    tokens: torch.Tensor
+    finished: torch.Tensor
+    step: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.token, self.tokens, self.finished, self.step]
+
+
+class Steps:
+    """One generate call's prefill and decode steps, bound to its model, request and cache."""
+
+    def __init__(self, model, request, cache, kv, mesh, keep: dict, device, once: bool = True):
+        from ..saving import unwrap
+
+        self.model, self.cache, self.kv, self.mesh, self.keep = model, cache, kv, mesh, keep
+        self.do_sample = request.do_sample
+        self.top_k = request.top_k if request.do_sample else None
+        self.top_p = request.do_sample and request.top_p < 1.0
+        # The request's values are inputs, so another seed, pad id or temperature compiles
+        # nothing: [pad, seed, eos...] and [temperature, top-p], as vectors (torch_xla makes a
+        # 0-d tensor holding 0 or 1 a constant of the graph: another program).
+        self.request = [
+            torch.tensor([request.fill_token_id, request.seed, *(request.eos_token_ids or (-1,))],
+                         dtype=torch.int64, device=device),
+            torch.tensor([request.temperature, request.top_p], dtype=torch.float32,
+                         device=device)]
+        hf = unwrap(model)
+        self._programs = _PROGRAMS.setdefault(hf, {})
+        self._weights = [*model.parameters(), *model.buffers()]
+        self._bound: dict = {}
+        self._once = once
+        # What the programs depend on besides their inputs' shapes: the settings compiled in,
+        # and the cache's shapes (the prefill makes the cache, which is not one of its inputs).
+        self._key = (request.sampling_key, hf.training,
+                     getattr(hf.config, "_attn_implementation", None),
+                     tuple((tuple(t.shape), t.dtype) for t in cache_state(cache)))
+
+    @property
+    def traced(self) -> str:
+        """"once", or why a step runs traced every time."""
+        if not self._once:
+            return "every step (trace_steps_once=False)"
+        refused = [f"{k}: {self._programs[k + ' refused']}" for k in ("prefill", "decode")
+                   if k + " refused" in self._programs]
+        return "every step (" + "; ".join(refused) + ")" if refused else "once"
+
+    def prefill(self, finished, ids, mask, positions) -> tuple[Carry, torch.Tensor]:
+        """The prompt's forward, its keys and values into an empty cache, the first token.
+
+        The empty cache and the loop's first state are made inside the program: as inputs they
+        would be one more program to compile (zeros) per call's first buckets."""
+        def body(sampler, eos, pad, finished, ids, mask, positions):
+            from transformers.cache_utils import DynamicCache
+
+            set_cache_state(self.cache, [torch.zeros_like(t) for t in cache_state(self.cache)])
+            batch, length = finished.shape[0], self.kv.length
+            carry = Carry(torch.zeros(batch, dtype=torch.int64, device=ids.device),
+                          pad.expand(batch, length).clone(), finished,
+                          torch.zeros((), dtype=torch.int64, device=ids.device))
+            prompt_cache = DynamicCache()     # no config: full layers, the sliding ones too
+            logits = _forward(self.model, ids, mask, positions, prompt_cache, self.keep)
+            write_prompt(self.cache, prompt_cache, ids.shape[1], ids.device)
+            return self._advance(logits, sampler, carry, eos, pad)
+
+        return self._run("prefill", body, [finished, ids, mask, positions], cache_in=False)
+
+    def decode(self, carry: Carry, mask, lengths) -> tuple[Carry, torch.Tensor]:
+        """One token per row through the model at its position; the next token."""
+        def body(sampler, eos, pad, token, tokens, finished, step, mask, lengths):
+            carry = Carry(token, tokens, finished, step)
+            positions = (lengths + step - 1).unsqueeze(1)
+            logits = _forward(self.model, token.unsqueeze(1), mask, positions, self.cache,
+                              self.keep)
+            return self._advance(logits, sampler, carry, eos, pad)
+
+        return self._run("decode", body, [*carry.tensors(), mask, lengths], cache_in=True)
+
+    # -- one step as a function of a flat list of tensors ---------------------------------
+    def _run(self, kind: str, body, args: list, cache_in: bool):
+        inputs = [*self.request, *args, *(cache_state(self.cache) if cache_in else ())]
+        fn = None
+        program = self._bound.get(kind)
+        if program is None and self._once and kind + " refused" not in self._programs:
+            programs = self._programs.setdefault(kind, backend.TracedPrograms(kind))
+            fn = self._flat(body, len(args), cache_in)
+            try:
+                program = programs.get(self._key, fn, inputs, self._weights)
+            except backend.NotTraceable as e:
+                self._programs[kind + " refused"] = str(e)
+                logger.info("generation: the %s step runs traced every time: %s", kind, e)
+            # Every later step of this call has the same signature: no lookup per token.
+            self._bound[kind] = program
+        if program is not None:
+            outputs = program(inputs, self._weights)
+        else:
+            outputs = (fn or self._flat(body, len(args), cache_in))(inputs)
+        set_cache_state(self.cache, outputs[5:])
+        return Carry(*outputs[:4]), outputs[4]
+
+    def _flat(self, body, n_args: int, cache_in: bool):
+        """``body`` as a function of one flat list (request, arguments, cache state if
+        ``cache_in``) returning one flat list (carry, done, cache state)."""
+        n_request = len(self.request)
+
+        def fn(tensors):
+            request, args = tensors[:n_request], tensors[n_request:n_request + n_args]
+            real = cache_state(self.cache)
+            if cache_in:
+                set_cache_state(self.cache, tensors[n_request + n_args:])
+            try:
+                ints, floats = request
+                new, done = body(self._sampler(ints, floats), ints[2:], ints[0], *args)
+                return [*new.tensors(), done, *cache_state(self.cache)]
+            finally:
+                set_cache_state(self.cache, real)   # the cache keeps no traced tensor
+        return fn
+
+    def _sampler(self, ints, floats) -> Sampler:
+        return Sampler(self.do_sample, self.top_k, floats[0], floats[1] if self.top_p else None,
+                       ints[1])
+
+    def _advance(self, logits, sampler, carry: Carry, eos, pad):
+        """Pick each row's next token (pad once a row finished), record it, update the flags;
+        the cache re-annotated with its plan."""
+        pin(self.cache, self.kv, self.mesh)
+        token = next_tokens(logits, sampler, carry.step)
+        token = torch.where(carry.finished, pad.expand_as(token), token)
+        tokens = carry.tokens.index_copy(1, carry.step.reshape(1), token.unsqueeze(1))
+        # The state carried to the next step, replicated (it is a few integers per row): reading
+        # the tokens back is then a plain copy (a batch-sharded result needs a gathering program
+        # per cache length), and every step gets its inputs sharded alike.
+        tokens, token = replicated(tokens, self.mesh), replicated(token, self.mesh)
+        finished = replicated(carry.finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1),
+                              self.mesh)
+        return Carry(token, tokens, finished, carry.step + 1), finished.all()
+
+
+def replicated(t: torch.Tensor, mesh) -> torch.Tensor:
+    return backend.mark_sharding(t, mesh, (None,) * t.dim())
+
+
+def _forward(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True, **keep)
+    return out.logits[:, -1, :]
+
+
+def cache_state(cache) -> list[torch.Tensor]:
+    """The static cache's device tensors: keys, values and fill level, per layer or stacked."""
+    if isinstance(cache, StackedStaticCache):
+        return [cache.keys, cache.values, cache.cumulative_length]
+    return [t for layer in cache.layers
+            for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+
+def set_cache_state(cache, tensors: list[torch.Tensor]) -> None:
+    if isinstance(cache, StackedStaticCache):
+        cache.keys, cache.values, fill = tensors
+        cache.cumulative_length = fill
+        for layer in cache.layers:       # the layer views read the fill level too
+            layer.cumulative_length = fill
+        return
+    for i, layer in enumerate(cache.layers):
+        layer.keys, layer.values, layer.cumulative_length = tensors[3 * i:3 * i + 3]
