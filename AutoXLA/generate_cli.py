@@ -89,6 +89,7 @@ def run(args, dtypes: dict) -> int:
     print(f"\nsummary: loaded in {load_seconds:.1f} s; {backend.compile_count() - compiles} programs "
           f"compiled in {backend.compile_seconds() - compile_s:.1f} s; prefill {prompt_len} tokens "
           f"at {prefill_tps:.1f} tokens/s, decode {stats.steps} steps at {decode_tps:.1f} tokens/s "
-          f"(compilation excluded); {new} new tokens; buckets: batch {stats.batch_bucket}, "
+          f"(compilation excluded; host {stats.host_ms_per_token:.2f} ms per token, steps traced "
+          f"{stats.traced}); {new} new tokens; buckets: batch {stats.batch_bucket}, "
           f"prompt {stats.prompt_bucket}, cache {stats.cache_length}")
     return 0

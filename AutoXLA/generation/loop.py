@@ -48,8 +48,8 @@ class Stats:
     decode_seconds: float = 0.0
     prefill_compile_seconds: float = 0.0
     decode_compile_seconds: float = 0.0
-    # CPU time this thread spent issuing the decode steps (tracing, if any, and dispatch); the
-    # rest of decode_seconds is waiting on the device and compiling.
+    # CPU time this thread spent issuing the decode steps (tracing, if any, and dispatch;
+    # compilation excluded); the rest of decode_seconds is waiting on the device and compiling.
     decode_host_seconds: float = 0.0
     traced: str = ""             # "once", or why the steps were traced every time
 
@@ -183,7 +183,8 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
     tokens = carry.tokens.cpu()
     stats.decode_seconds = time.perf_counter() - t0
     stats.decode_compile_seconds = backend.compile_seconds() - c0
-    stats.decode_host_seconds = host
+    # A first call compiles on this thread too: that time is counted as compiling, not host.
+    stats.decode_host_seconds = max(host - stats.decode_compile_seconds, 0.0)
     stats.new_tokens = steps_run
     stats.traced = run.traced
     new = _trim(tokens[:batch, :steps_run], eos_ids)
