@@ -167,18 +167,18 @@ def sync() -> None:
     torch_xla.sync()
 
 
-def run_step() -> None:
-    """Launch the pending graph, one step of a loop that launches the next at once.
+def finish_step() -> None:
+    """After launching one step of a loop that launches the next at once: on XLA:CPU with more
+    than one device, wait for it to finish.
 
-    On XLA:CPU with more than one device, wait for it to finish: XLA:CPU gives every
-    execution's collectives the same rendezvous key (RunId 0), so when steps are launched back to
-    back a fast device can enter step n+1's all-reduce while a slow one is still in step n's,
-    and the runtime aborts the process after 10 s ("Expected 8 threads to join the rendezvous,
-    but only 7 of them arrived": 2 of 8 runs of 128 decode steps launched back to back, 8
-    virtual devices). Elsewhere the next step is traced while this one runs.
+    XLA:CPU gives every execution's collectives the same rendezvous key (RunId 0), so when steps
+    are launched back to back a fast device can enter step n+1's all-reduce while a slow one is
+    still in step n's, and the runtime aborts the process after 10 s ("Expected 8 threads to join
+    the rendezvous, but only 7 of them arrived": 2 of 8 runs of 128 decode steps launched back
+    to back, 8 virtual devices). Elsewhere the next step is traced while this one runs.
     """
-    torch_xla, _, _ = _xla()
-    torch_xla.sync(wait=_serial_devices())
+    if _serial_devices():
+        wait_for_transfers()
 
 
 @functools.cache

@@ -161,7 +161,8 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
     length = prompt.ids.shape[1]
     carry, done = run.prefill(finished, prompt.ids.to(dev), prompt.mask[:, :length].to(dev),
                               prompt.positions.to(dev))
-    backend.run_step()
+    backend.sync()
+    backend.finish_step()
     streamed, stopped = (_check(done, carry.tokens, streamer, 0, 1, batch, eos_ids) if watch
                          else (0, False))
     stats.prefill_seconds = time.perf_counter() - t0   # with a check, the prefill has run
@@ -177,8 +178,9 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
                 break
         h0 = time.thread_time()      # this thread's CPU time: waiting on the device is not in it
         carry, done = run.decode(carry, mask, lengths)
-        backend.run_step()
+        backend.sync()
         host += time.thread_time() - h0
+        backend.finish_step()
         steps_run += 1
     tokens = carry.tokens.cpu()
     stats.decode_seconds = time.perf_counter() - t0
