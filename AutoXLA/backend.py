@@ -570,9 +570,6 @@ class TracedPrograms:
         self.name = "xla::autoxla_" + name
         self._programs: dict = {}
 
-    def __len__(self) -> int:
-        return len(self._programs)
-
     def get(self, key, fn, inputs: list, weights: list = ()) -> "Program":
         signature = (key, _signature(inputs), _signature(weights))
         program = self._programs.get(signature)

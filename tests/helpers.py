@@ -163,3 +163,11 @@ class _NoXLA:
             raise ImportError("this command must not import torch_xla")
 sys.meta_path.insert(0, _NoXLA())
 """
+
+
+def generate_on_device(model, ids, mask, **kwargs):
+    """``model.generate`` on the XLA device with CPU ``ids`` and ``mask``; the tokens on the CPU."""
+    from AutoXLA import backend
+
+    dev = backend.device()
+    return model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **kwargs).cpu()

@@ -11,6 +11,7 @@ import torch
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
+from tests.helpers import generate_on_device as _generate
 from AutoXLA.quantization import ModelQuantizer, QuantizationConfig
 from AutoXLA.tiny import available_families
 
@@ -26,10 +27,6 @@ def prompts():
                         [0, 0, 0, 0, 0, 0, 0, 40, 41, 42, 43, 44]])
     return ids, (ids != 0).long()
 
-
-def _generate(model, ids, mask, **kwargs):
-    dev = backend.device()
-    return model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **kwargs).cpu()
 
 
 def _load(checkpoints, family, strategy="2d", **kwargs):

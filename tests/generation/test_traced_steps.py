@@ -12,6 +12,7 @@ import torch
 from AutoXLA import backend
 from AutoXLA.generation import GenerationOptions
 from AutoXLA.modeling import AutoXLAModelForCausalLM
+from tests.helpers import generate_on_device as _generate
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -21,10 +22,6 @@ def _prompts():
                         [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
     return ids, (ids != 0).long()
 
-
-def _generate(model, ids, mask, **kwargs):
-    dev = backend.device()
-    return model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **kwargs).cpu()
 
 
 @pytest.fixture()
