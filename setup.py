@@ -1,7 +1,7 @@
 """Builds the C core (csrc/) into a plain shared library inside the package.
 
 It is compiled as an Extension only so that `pip install` builds it; it exports no Python
-module init and is loaded with ctypes by AutoXLA/_native.py.
+module init and is loaded with ctypes by AutoXLA/_native/.
 """
 import glob
 

@@ -6,7 +6,7 @@ from .quantization import LanguageModelQuantizer, ModelQuantizer, QuantizationCo
 from .sharding.mesh import MeshShape, mesh_shape_for
 from .sharding.multislice import MultiSlice
 from .sharding.plan import Plan, TensorPlan
-from .train_checkpoints import TrainingCheckpoints
+from .saving import TrainingCheckpoints
 
 __version__ = "0.1.0"
 __all__ = ["AttentionConfig", "AutoXLAModelForCausalLM", "AutoXLAModelForImageSegmentation",

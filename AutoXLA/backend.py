@@ -376,23 +376,6 @@ def sharding_spec(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-def release_freed_host_memory() -> None:
-    """Give freed heap memory back to the OS (glibc's malloc_trim). XLA:CPU's device buffers are
-    host allocations made from many threads; glibc keeps what they free in per-thread arenas, so
-    after the stacking of a 7B model's layers about 3 GiB of freed buffers still count as the
-    process's RSS. A no-op where glibc is not the C library."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-
-
 def scan_loop(fn, init, xs, reverse: bool = False):
     """torch_xla's scan loop without its autograd layer: ``fn(carry, x) -> (carry, y)`` traced
     once into an XLA While whose body runs once per leading index of ``xs``; returns (carry,
@@ -477,12 +460,24 @@ def tpu_generation() -> int | None:
     return int(tpu.version())
 
 
+# Set once by kernels/interpret.enable(), which swaps the Pallas kernels for their interpret-mode
+# emulation in this process; read here, so the runtime's answers need no import of the kernels.
+_EMULATED_TPU_KERNELS = False
+
+
+def record_emulated_tpu_kernels() -> None:
+    global _EMULATED_TPU_KERNELS
+    _EMULATED_TPU_KERNELS = True
+
+
+def emulating_tpu_kernels() -> bool:
+    return _EMULATED_TPU_KERNELS
+
+
 def pallas_target():
     """Where the Pallas kernels would run, as quantization/backends.py's ``tpu`` reads it: the
     TPU generation, True for the emulated kernels, False when they cannot run."""
-    from .kernels import interpret
-
-    if interpret.enabled():
+    if _EMULATED_TPU_KERNELS:
         return True
     return tpu_generation() or False
 

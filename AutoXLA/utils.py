@@ -4,9 +4,10 @@ The original moved the model to the CPU in place, unwrapped its attention wrappe
 the embedding dtype. Here the model AutoXLA loaded is left as it is (sharded, still usable), and a
 new, plain transformers model on the CPU is returned, built from the same config with eager
 attention and holding the gathered weights. The gathering is save_pretrained's own
-(AutoXLA/saving.py ``_tensors``: the full tensors behind the shards, a scanned decoder stack under
-its per-layer names, FSDPv2's wrapper names removed, tied weights once); dequantizing is the
-quantized linear's own arithmetic (AutoXLA/quantization/linear.py ``dequantize``).
+(AutoXLA/saving/pretrained.py ``saved_tensors``: the full tensors behind the shards, a scanned
+decoder stack under its per-layer names, FSDPv2's wrapper names removed, tied weights once);
+dequantizing is the quantized modules' own arithmetic (AutoXLA/quantization/packing.py
+``dequantize``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from . import saving
 from .modeling.empty import parameters_on_meta
-from .quantization.linear import dequantize as dequantize_weight
+from .quantization.packing import dequantize as dequantize_weight
 
 __all__ = ["prepare_model_for_checkpoint"]
 
@@ -52,7 +53,7 @@ def prepare_model_for_checkpoint(model: nn.Module, dequantize: bool = True) -> n
     if report is not None and not dequantize:
         _quantize_like(plain, report)
 
-    state = {name: t.detach().to("cpu") for name, t in saving._tensors(inner).items()}
+    state = {name: t.detach().to("cpu") for name, t in saving.saved_tensors(inner).items()}
     if report is not None and dequantize:
         for name, d in report.layers.items():
             q, scale = state.pop(f"{name}.weight"), state.pop(f"{name}.weight_scale")

@@ -135,8 +135,8 @@ def main() -> int:
                                  profile == "1")))
         return 0
     sys.path.insert(0, str(ROOT))
-    from AutoXLA.real_model import smollm2_checkpoint
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.real_model import smollm2_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; greedy, {a.tokens} new tokens after a 16-token "

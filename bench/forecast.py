@@ -3,7 +3,7 @@ against planning/communication.py's forecast from the plan alone, per strategy, 
 
     PYTHONPATH=$PWD python bench/forecast.py [--strategies fsdp,dp,mp,2d,3d] [--batch 8] [--seq 16] [--keep]
 
-The model is the tiny llama fixture (AutoXLA.tiny: 2 layers, hidden 64, 4 heads / 2 kv heads,
+The model is the tiny llama fixture (AutoXLA.testing.tiny: 2 layers, hidden 64, 4 heads / 2 kv heads,
 vocab 256, fp32). For each strategy a training step (forward + backward, no optimizer) over
 batch x seq tokens and a decode-shaped step (one token per sequence, no KV cache) are compiled
 in a child process with XLA's dump on (planning/measure.py), unrolled (scan_layers=False); the
@@ -30,10 +30,10 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from AutoXLA import cli  # noqa: E402
+from AutoXLA.planning.from_config import plan_from_config  # noqa: E402
 from AutoXLA.planning.communication import communication  # noqa: E402
 from AutoXLA.planning.measure import compare, measure_generation, measure_step  # noqa: E402
-from AutoXLA.tiny import save_tiny_checkpoint  # noqa: E402
+from AutoXLA.testing.tiny import save_tiny_checkpoint  # noqa: E402
 
 _CLASS = {"all-gather": "gather", "reduce-scatter": "reduce", "all-reduce": "reduce"}
 
@@ -68,7 +68,7 @@ def main() -> int:
         runs = []
     totals = {}
     for strategy, variant in runs:
-        plan = cli.plan_from_config(path, strategy, 8, scan_layers=False)   # as measured
+        plan = plan_from_config(path, strategy, 8, scan_layers=False)   # as measured
         for train in (True, False) if variant != "free gradients" else (True,):
             seq = args.seq if train else 1
             forecast = communication(plan, batch=args.batch, seq=seq, train=train)
@@ -148,7 +148,7 @@ def _kv_table(args, names, path, root):
     for strategy in names:
         g = measure_generation(path, strategy, batch=args.batch, prompt=args.seq,
                                dump_dir=os.path.join(root, "dump"))
-        plan = cli.plan_from_config(path, strategy, 8)
+        plan = plan_from_config(path, strategy, 8)
         kv = plan.kv_cache(g.batch, g.length)
         want = f"f32[{','.join(map(str, (kv.layers, *kv.shard_shape(plan.mesh))))}]"
         measured = max((sum(n for shape, n in params if shape == want)

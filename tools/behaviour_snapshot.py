@@ -63,8 +63,8 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def _checkpoints(out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from AutoXLA.architectures import save_checkpoint
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.architectures import save_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     ckpt = out / "checkpoints"
     save_tiny_checkpoint("llama", ckpt / "llama", seed=0)

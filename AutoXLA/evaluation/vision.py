@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .. import tiny_vision
+from ..testing import tiny_vision
 
 
 def known_configs() -> str:

@@ -28,7 +28,6 @@ import importlib.util
 
 import torch
 
-_ENABLED = False
 PINNED = {"jax": "0.7.1", "jaxlib": "0.7.1"}   # what torch_xla 2.9.0's `pallas` extra pins
 
 
@@ -43,19 +42,21 @@ def missing() -> str | None:
 
 
 def enabled() -> bool:
-    return _ENABLED
+    from .. import backend
+
+    return backend.emulating_tpu_kernels()
 
 
 def enable() -> None:
     """Switches this process to the emulated TPU kernels; idempotent. Call after torch_xla has
     its devices (``backend.ensure_spmd()``) and before anything imports jax."""
-    global _ENABLED
-    if _ENABLED:
+    from .. import backend
+
+    if backend.emulating_tpu_kernels():
         return
     why = missing()
     if why:
         raise RuntimeError(why)
-    from .. import backend
 
     if backend.on_tpu():
         raise RuntimeError("this process runs on a TPU: the real kernels run, not their emulation")
@@ -77,7 +78,7 @@ def enable() -> None:
     import torch_xla.experimental.custom_kernel as custom_kernel
     custom_kernel.trace_pallas = _trace_pallas
     torch_xla._XLAC._xla_tpu_custom_call = _tpu_custom_call
-    _ENABLED = True
+    backend.record_emulated_tpu_kernels()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend, generation
+from .. import _native, backend, generation
 from ..attention import patch_attention
 from ..attention.config import TRANSFORMERS_NAMES
 from ..attention.hf import register as register_attention
@@ -218,12 +218,12 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
             # The host shards just freed stay in malloc's per-thread arenas otherwise, and the
             # process grows by a tensor's worth per layer (bench/moe_load.py: the peak fell from
             # model + 3.1 to model + 1.4 largest tensors with this)
-            backend.release_freed_host_memory()
+            _native.release_freed_host_memory()
             in_flight = 0
         progress.update(1)
     progress.close()
     backend.wait_for_transfers()
-    backend.release_freed_host_memory()   # the host shards, freed but kept by malloc's arenas
+    _native.release_freed_host_memory()   # the host shards, freed but kept by malloc's arenas
     _retie(model, plan)
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
             if p.device.type == "meta"]
@@ -365,7 +365,7 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     from ..loading.host_quantize import host_quantized_shards
     from ..quantization.experts import quantize_experts
     from ..quantization.linear import stored_tensors
-    from ..quantization.quantizer import quantize_tensor
+    from ..quantization.weights import quantize_tensor
 
     prefix = t.name.rpartition(".")[0]
     names = {leaf: f"{prefix}.{leaf}" if prefix else leaf
@@ -418,7 +418,7 @@ def _quantized_pieces(composite, owner: nn.Module, leaves: dict, checkpoint, mes
     piece) and lands in the quantized tensors' shards. Returns (shards, bytes read, stats)."""
     from ..loading.host_quantize import merged_stats
     from ..quantization.linear import stored_tensors
-    from ..quantization.quantizer import quantize_tensor
+    from ..quantization.weights import quantize_tensor
 
     if owner.source_transposed:
         raise ckpt.CheckpointError(

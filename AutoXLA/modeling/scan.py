@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .. import backend
+from .. import _native, backend
 from ..attention.hf import KernelMask
 from ..sharding.decoder_stack import StackPlan, find_stack
 from ..generation.stacked_cache import StackedStaticCache, StepCache
@@ -419,7 +419,7 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
             # what is freed: without the trim a 7B model's RSS grows by ~6 GiB over these steps.
             backend.sync()
             backend.wait_for_transfers()
-            backend.release_freed_host_memory()
+            _native.release_freed_host_memory()
     for row, shell in enumerate(shells):
         for owner_path, m in shell.named_modules():
             source = _container(stacked, owner_path)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from .. import backend as xla
 from . import pallas_tiles
 from .config import LayerFormat, QuantizationConfig
+from .packing import integer_weight
 
 ORDER = ("pallas", "xla_op", "fallback")
 
@@ -101,8 +102,6 @@ def pallas_arguments(layer, x: torch.Tensor) -> tuple[tuple, dict]:
     int8 values in [-8, 7] inside the graph. The tiles come from pallas_tiles (torch_xla's tuned
     table). Split out so that tests check it on its own.
     """
-    from .linear import integer_weight
-
     w = integer_weight(layer.weight, layer.quant_format).to(torch.int8)
     x2 = x.reshape(-1, x.shape[-1])
     scale = layer.weight_scale.reshape(-1).to(torch.float32)

@@ -6,7 +6,7 @@ save_pretrained treat both alike):
   weight_scale       (num_embeddings, 1) of the config's scale dtype: one scale per row
   weight_zero_point  int8 (num_embeddings, 1), asymmetric formats only
 A lookup gathers the rows of the int8 table and their scales and dequantizes only those rows, with
-the arithmetic of linear.dequantize (fp32, one rounding to the output dtype), so the full-precision
+the arithmetic of packing.dequantize (fp32, one rounding to the output dtype), so the full-precision
 table never exists on the device.
 """
 from __future__ import annotations

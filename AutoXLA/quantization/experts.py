@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from .config import LayerFormat
-from .linear import dequantize, install_quantized, register_quantized_buffers
+from .linear import install_quantized, register_quantized_buffers
+from .packing import dequantize
+from .weights import quantize_tensor
 
 # The plan's "backend" of quantized experts: dequantize in the graph, then the experts' einsum.
 EXPERTS_BACKEND = "fallback"
@@ -87,8 +89,6 @@ def as_rows(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 def quantize_experts(weight: torch.Tensor, module: QuantizedExperts, name: str = ""):
     """A float experts parameter -> the C engine's result with its tensors [E, out, ...] (the
     per-row statistics stay flat)."""
-    from .quantizer import quantize_tensor
-
     q = quantize_tensor(as_rows(weight, module.source_transposed), module.quant_format, name)
     experts = module.num_experts
     return q._replace(**{k: getattr(q, k).reshape(experts, -1, getattr(q, k).shape[-1])

@@ -51,10 +51,10 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
     # One device: the plan serves for its names, shapes, dtypes and sources, not for its specs.
     plan = build_plan(model, resolved.config, mesh_shape_for("fsdp", 1), "fsdp", resolved.dtype,
                       resolved.tied, scan_layers=False)
-    stored = _saved_order(model, saving._tensors(model))   # what save_pretrained stores
+    stored = _saved_order(model, saving.saved_tensors(model))   # what save_pretrained stores
     specs = {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
     groups = saving.shard_groups({n: t.numel() * t.element_size() for n, t in stored.items()},
-                                 saving._parse_size(max_shard_size))
+                                 saving.parse_size(max_shard_size))
 
     def write_shards(paths, groups):
         writer = ShardWriter(specs, groups, paths)
@@ -65,7 +65,7 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
         writer.close()
 
     dst.mkdir(parents=True, exist_ok=True)
-    saving.write_checkpoint(dst, groups, write_shards, saving._config_json(model),
+    saving.write_checkpoint(dst, groups, write_shards, saving.config_json(model),
                            saving.generation_json(model))
     _copy_companions(src, dst)
     return dst
@@ -75,7 +75,7 @@ def _saved_order(model, stored: dict) -> dict:
     """``stored`` in the order save_pretrained writes a loaded model's tensors, which decides the
     shard each lands in. from_pretrained scans a repeating decoder stack (scan_layers=True, the
     default): its save writes each layer's tensors together (parameters, then buffers) where the
-    stack stands (saving._unstacked), where an unscanned model lists every parameter first."""
+    stack stands (saving/pretrained.py _unstacked), where an unscanned model lists every parameter first."""
     from ..sharding.decoder_stack import plan_stack
 
     stack = plan_stack(model, True)
@@ -133,7 +133,7 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
     from ..modeling.pipeline import _check_shape, _owner, _sources
     from .experts import quantize_experts
     from .linear import stored_tensors
-    from .quantizer import quantize_tensor
+    from .weights import quantize_tensor
 
     sources, quantize = _sources(model, plan, checkpoint, None)
     todo = [t for t in plan if not t.tied_to and t.derived_from not in quantize

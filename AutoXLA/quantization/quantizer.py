@@ -14,7 +14,6 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from .. import _native, saving
@@ -27,6 +26,7 @@ from .embedding import GATHER, QuantizedEmbedding
 from .experts import (EXPERTS_BACKEND, WHY_NO_KERNEL, QuantizedExperts, experts_format,
                       quantize_experts)
 from .linear import QuantizedLinear, stored_tensors
+from .weights import quantize_tensor
 
 logger = logging.getLogger("AutoXLA")
 
@@ -127,30 +127,6 @@ def _weight_bytes(model: nn.Module) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
-
-
-def quantize_tensor(w: torch.Tensor, fmt: LayerFormat, name: str = "", stats: bool = True,
-                    importance: torch.Tensor | None = None) -> "_native.Quantized":
-    """One float weight (out, in) -> the C engine's quantized tensors (on the CPU).
-    ``importance`` (in,): per-input weights of the scale search's squared error (calibration's
-    mean squared activations), used when the format searches."""
-    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        w = w.to(torch.float32)
-    if importance is not None and fmt.search:
-        importance = importance.detach().to("cpu", torch.float32).contiguous()
-    else:
-        importance = None
-    try:
-        return _native.quantize(w.contiguous(), bits=fmt.bits, symmetric=fmt.symmetric,
-                                block_size=fmt.block_size, stats=stats,
-                                scale_dtype=fmt.torch_scale_dtype, search=fmt.search,
-                                importance=importance, offset=fmt.offset)
-    except _native.NativeError as e:
-        row = getattr(e, "row", None)
-        if row is None:
-            raise
-        # The C engine's words: NaN/Inf, or finite values whose range overflows float32.
-        raise ValueError(f"cannot quantize {name or 'a weight'}: {e.detail}") from e
 
 
 def get_model_size(model: nn.Module) -> dict[str, float]:

@@ -28,8 +28,9 @@ from torch import nn
 from .calibration import (Calibration, CalibrationConfig, check_ids, collect, layer_by_layer,
                           model_device, read_back, refuse_scanned, token_batch, token_nll)
 from .config import QuantizationConfig
-from .linear import dequantize, stored_tensors
-from .quantizer import quantize_tensor
+from .linear import stored_tensors
+from .packing import dequantize
+from .weights import quantize_tensor
 from .smoothing import Smoothing, apply_smoothing, plan_smoothing
 
 FLOAT, WEIGHTS, ACTIVATIONS = 0, 1, 2     # full precision; quantized weight; W8A8

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import backend
+from .. import _native
 from .configs import decoder_config, module_configs
 
 # Attributes that legitimately differ per layer: the index (used only to pick a cache layer, which
@@ -137,7 +137,7 @@ def how_layers_are_called(model: nn.Module, path: str, n: int) -> str:
             m._buffers.update(saved)
         # What the traced forward left (~90 MiB for a 1 GB Llama) goes back before any weight is
         # read, instead of adding to the loading peak (bench/load.py).
-        backend.release_freed_host_memory()
+        _native.release_freed_host_memory()
     order = [k for k, _ in calls]
     if order and order != list(range(len(order))):
         return f"the model calls its decoder layers in the order {order[:8]}, not one after another"

@@ -2,7 +2,7 @@
  *
  * Plain C11 functions over caller-owned buffers. Every function that can fail returns an
  * axl_status; axl_strerror() explains it. Nothing here aborts, allocates memory in a hot
- * path, or keeps global state. AutoXLA/_native.py is the only caller in the package.
+ * path, or keeps global state. AutoXLA/_native/ is the only caller in the package.
  */
 #ifndef AUTOXLA_H
 #define AUTOXLA_H
@@ -20,7 +20,7 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change of a signature, enum value or semantics below;
- * _native.py refuses a library whose axl_abi_version() differs from its own. */
+ * AutoXLA/_native/ refuses a library whose axl_abi_version() differs from its own. */
 #define AXL_ABI_VERSION 8
 
 /* Threads a single call may use; larger requests are clamped to this. */

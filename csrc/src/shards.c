@@ -375,7 +375,7 @@ int axl_read_shards(const char *path, int64_t offset, int src_dtype, int ndim,
     /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer, forever;
      * on a regular file (or a device such as /dev/zero) it changes nothing. A FIFO, socket
      * or directory never holds a tensor: refused on the descriptor itself, so a path
-     * swapped after the caller's own checks (_native.py takes regular files only) cannot
+     * swapped after the caller's own checks (_native/ takes regular files only) cannot
      * hang the call. */
     int fd;
     do {

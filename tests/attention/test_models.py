@@ -11,7 +11,7 @@ from AutoXLA import backend
 from AutoXLA.attention import KERNELS
 from AutoXLA.attention.hf import LayerAttention
 from AutoXLA.modeling import AutoXLAModelForCausalLM
-from AutoXLA.tiny import available_families
+from AutoXLA.testing.tiny import available_families
 from tests.helpers import assert_close, embeds_and_q_proj_grads
 
 FAMILIES = available_families()

@@ -11,7 +11,7 @@ from AutoXLA.kernels import (SplashAttentionConfig, SplashAttentionPatcher,
                              apply_xla_flash_attention)
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.sharding.mesh import MeshShape
-from AutoXLA.tiny import available_families
+from AutoXLA.testing.tiny import available_families
 from tests.helpers import assert_close
 
 # 4-token blocks: the 12-token batch spans several blocks, so causal block skipping is exercised.

@@ -18,7 +18,7 @@ ALIAS_MODULES = {
     "AutoXLA.kernels.attention.impl_utils": "AutoXLA/attention/patch.py",
     "AutoXLA.kernels.attention.splash_attention": "AutoXLA/attention/config.py",
     "AutoXLA.kernels.attention.splash_attention.sa_kernel": "AutoXLA/attention/config.py",
-    "AutoXLA.utils": "AutoXLA/saving.py",
+    "AutoXLA.utils": "AutoXLA/saving/pretrained.py",
 }
 MODEL_CLASSES = ("AutoXLAModelForCausalLM", "AutoXLAModelForImageSegmentation",
                  "AutoXLAModelForMaskGeneration")

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.modeling.scan import StackedDecoderLayers
 from AutoXLA.quantization.linear import QuantizedLinear
-from AutoXLA.tiny import available_families
+from AutoXLA.testing.tiny import available_families
 from AutoXLA.utils import prepare_model_for_checkpoint
 from tests.helpers import assert_close
 
@@ -112,7 +112,7 @@ def test_int8_model_kept_quantized(int8_llama, batch, tmp_path):
 def test_quantized_experts_dequantized(tmp_path, xla_devices):
     # gpt-oss keeps its experts [experts, in, out] (quantized as [experts, out, in]): the copy
     # holds them in transformers' layout again, and transformers itself loads what it saves.
-    from AutoXLA.architectures import save_checkpoint
+    from AutoXLA.testing.architectures import save_checkpoint
     from AutoXLA.quantization import QuantizationConfig
     from AutoXLA.quantization.experts import QuantizedExperts
 

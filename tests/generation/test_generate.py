@@ -13,7 +13,7 @@ from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from tests.helpers import generate_on_device as _generate
 from AutoXLA.quantization import ModelQuantizer, QuantizationConfig
-from AutoXLA.tiny import available_families
+from AutoXLA.testing.tiny import available_families
 
 NEW_TOKENS = 64                     # past every sliding window (6) and the 16-token prompt bucket
 CHECK_EVERY = 8                     # GenerationOptions' default stop_check_every

@@ -89,7 +89,7 @@ def test_load_converts_dtype_exactly(checkpoints, xla_devices):
 
 
 def test_bf16_checkpoint_loads_as_bf16_by_default(checkpoints, tmp_path, xla_devices):
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     d = save_tiny_checkpoint("llama", tmp_path / "bf16", dtype=torch.bfloat16)
     model = AutoXLAModelForCausalLM.from_pretrained(d)

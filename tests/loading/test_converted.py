@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from AutoXLA.architectures import save_checkpoint
+from AutoXLA.testing.architectures import save_checkpoint
 from AutoXLA.loading import checkpoint as ckpt
 from AutoXLA.loading import streaming
 from AutoXLA.loading.converted import compose
@@ -114,7 +114,7 @@ def test_quantized_pieces_are_the_fused_tensor_quantized(host_index, moe):
     from AutoXLA.modeling.pipeline import empty_model
     from AutoXLA.quantization import QuantizationConfig
     from AutoXLA.quantization.linear import stored_tensors
-    from AutoXLA.quantization.quantizer import quantize_tensor
+    from AutoXLA.quantization.weights import quantize_tensor
 
     path, cfg = moe["Mixtral"], QuantizationConfig(bits=4, block_size=32)
     plan = plan_from_config(path, "2d", DEVICES, quantization_config=cfg, scan_layers=False)

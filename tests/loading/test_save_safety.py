@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from AutoXLA import saving
+from AutoXLA.saving import journal
 from AutoXLA.loading.checkpoint import locate
 
 # A user's files, several with names that look like ours; each must survive byte for byte.
@@ -133,7 +134,7 @@ def assert_clean(d):
     (2**70, 2**62), ("9" * 40 + "GB", 2**62), ("5" * 5000, 2**62),
 ])
 def test_shard_sizes_are_parsed_exactly_and_capped(size, expected):
-    assert saving._parse_size(size) == expected
+    assert saving.parse_size(size) == expected
 
 
 @pytest.mark.parametrize("size, why", [
@@ -272,7 +273,7 @@ class Injector:
         owner, attr = {"replace": (os, "replace"), "rename": (os, "rename"),
                        "unlink": (os, "unlink"), "fsync": (os, "fsync"),
                        "save_file": (safetensors.torch, "save_file"),
-                       "write_text": (saving, "_write_text")}[op]
+                       "write_text": (journal, "_write_text")}[op]
         real = getattr(owner, attr)
 
         def failing(*args, **kwargs):
@@ -437,7 +438,7 @@ _CHILD = textwrap.dedent("""
             return real(*a, **kw)
         setattr(owner, attr, op)
     for owner, attr in [(os, "replace"), (os, "rename"), (os, "unlink"), (os, "fsync"),
-                        (safetensors.torch, "save_file"), (saving, "_write_text")]:
+                        (safetensors.torch, "save_file"), (journal, "_write_text")]:
         counted(owner, attr)
     saving.save_pretrained(t.Net(20), out, max_shard_size=size)
     print(calls[0])
@@ -537,9 +538,9 @@ def test_journals_are_trusted_only_if_they_are_ours(tmp_path):
     fill_user_files(d)
     token = "0123456789abcdef"
     torn = d / f".autoxla-save-{token}.json"
-    torn.write_text(saving._Journal.head(token)[:17])          # killed while writing it
+    torn.write_text(journal._Journal.head(token)[:17])          # killed while writing it
     forged = d / ".autoxla-commit-fedcba9876543210.json"        # lists the user's files
-    forged.write_text(json.dumps({saving._MAGIC: 1, "token": "0000000000000000", "files": [
+    forged.write_text(json.dumps({journal._MAGIC: 1, "token": "0000000000000000", "files": [
         {"final": "config.json", "temp": ".config.json.tmp-deadbeef", "backup": None},
         {"final": "model-final.safetensors", "temp": None, "backup": "notes.txt"}]}))
     alien = d / ".autoxla-save-aaaaaaaaaaaaaaaa.json"

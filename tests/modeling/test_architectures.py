@@ -1,4 +1,4 @@
-"""The coverage matrix: every architecture of AutoXLA/architectures.py, built from transformers'
+"""The coverage matrix: every architecture of AutoXLA/testing/architectures.py, built from transformers'
 own config class with only the sizes shrunk, loaded sharded and checked against plain transformers.
 
 Each is checked under 2d (8 devices: fsdp 4 x model 2): a plain forward (transformers' default
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from AutoXLA import backend
-from AutoXLA.architectures import ARCHITECTURES, BY_NAME, QUANTIZED_EXPERTS, save_checkpoint
+from AutoXLA.testing.architectures import ARCHITECTURES, BY_NAME, QUANTIZED_EXPERTS, save_checkpoint
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
 from tests.helpers import SQNR_FLOOR_DB, assert_close, check_sharding_matches_plan, quiet, sqnr_db
@@ -107,7 +107,7 @@ def test_architecture_int8(name, zoo, expected, xla_devices):
         assert sqnr_db(expected(name)[0], got) >= SQNR_FLOOR_DB[8], f"{name} int8 vs float"
 
 
-# Every expert layout (AutoXLA/architectures.py, QUANTIZED_EXPERTS; docs/models.md's table says
+# Every expert layout (AutoXLA/testing/architectures.py, QUANTIZED_EXPERTS; docs/models.md's table says
 # the same). int4 in blocks of 32 without the scale search (tests/reference_quant.py has none).
 @pytest.mark.parametrize("name,bits", [(name, bits) for name, widths in QUANTIZED_EXPERTS.items()
                                        for bits in widths])
@@ -315,13 +315,13 @@ def test_mixtral_trains_like_transformers(zoo, xla_devices):
 
 
 def test_the_docs_table_is_the_list():
-    # docs/models.md's table is generated from the same list (python -m AutoXLA.architectures).
+    # docs/models.md's table is generated from the same list (python -m AutoXLA.testing.architectures).
     from pathlib import Path
 
-    from AutoXLA.architectures import markdown_table
+    from AutoXLA.testing.architectures import markdown_table
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
-    assert markdown_table() in text, "docs/models.md is stale: ./run python -m AutoXLA.architectures"
+    assert markdown_table() in text, "docs/models.md is stale: ./run python -m AutoXLA.testing.architectures"
 
 
 def test_a_saved_mixture_of_experts_model_loads_back(zoo, tmp_path, xla_devices):

@@ -4,7 +4,7 @@ import torch
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
-from AutoXLA.tiny import available_families
+from AutoXLA.testing.tiny import available_families
 
 from ..helpers import assert_close, check_sharding_matches_plan
 

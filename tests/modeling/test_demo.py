@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_passes(smollm2, xla_devices, capsys):
-    from AutoXLA.demo import run_demo
+    from AutoXLA.cli.demo import run_demo
 
     assert run_demo(smollm2.parent, strategy="2d")
     out = capsys.readouterr().out
@@ -23,7 +23,7 @@ def test_autoxla_generate_streams_the_answer(smollm2):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from AutoXLA.real_model import chat_prompt
+    from AutoXLA.testing.real_model import chat_prompt
 
     prompt = "What is the capital of France?"
     env = dict(os.environ, PYTHONPATH=str(ROOT), PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8",

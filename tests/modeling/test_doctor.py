@@ -13,7 +13,7 @@ from AutoXLA.generation import compile_cache
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     # head_dim 16, alternating sliding-window / global layers, logit soft-cap.
     return save_tiny_checkpoint("gemma2", tmp_path_factory.mktemp("doctor") / "gemma2")
@@ -37,7 +37,7 @@ def _doctor(*argv, tmp_path):
 def test_doctor_reports_devices_isa_and_kernels(gemma2, tmp_path):
     r = json.loads(_doctor(gemma2, "--seq", "600", "--batch", "3", "--strategy", "2d", "--json",
                            tmp_path=tmp_path))
-    assert set(r) == {"versions", "native", "devices", "compile_cache", "attention"}
+    assert set(r) == {"versions", "native", "devices", "compile_cache", "mappings", "attention"}
     assert r["versions"]["torch_xla"] and r["versions"]["python"] == sys.version.split()[0]
     assert r["native"]["isa"] == _native.best_isa()
     assert r["native"]["abi_version"] == _native.ABI_VERSION
@@ -73,3 +73,21 @@ def test_doctor_bad_arguments(tmp_path, capsys):
     assert "has no config.json" in capsys.readouterr().err
     assert main(["doctor", "--seq", "0"]) == 2
     assert "--seq 0: pass a positive number" in capsys.readouterr().err
+
+
+def test_doctor_warns_when_the_compile_cache_can_exhaust_memory_mappings(tmp_path):
+    from AutoXLA.cli import doctor
+
+    limit = tmp_path / "max_map_count"
+    limit.write_text("65530\n")                                # this machine's (Linux's default)
+    # torch_xla's default cache, 2,048 programs at ~90 mappings: 184,320 > 65,530.
+    m = doctor.mappings(str(limit), environ={})
+    assert m["cache_size"] == 2048 and m["cache_size_source"] == "torch_xla's default"
+    assert "XLA_COMPILATION_CACHE_SIZE=364" in m["warning"]     # 65530 // 180: half the limit
+    assert "vm.max_map_count=368640" in m["warning"]
+    # ./run's test lanes bound it to 256: 23,040 mappings, no warning.
+    m = doctor.mappings(str(limit), environ={"XLA_COMPILATION_CACHE_SIZE": "256"})
+    assert m["warning"] == "" and m["mappings_needed"] == 23040
+    assert "256 programs (XLA_COMPILATION_CACHE_SIZE)" in m["detail"]
+    # No /proc: nothing to check, no crash.
+    assert doctor.mappings(str(tmp_path / "absent"))["max_map_count"] is None

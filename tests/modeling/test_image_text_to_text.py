@@ -13,7 +13,7 @@ import torch
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import ModelQuantizer, QuantizationConfig
-from AutoXLA.tiny import (IMAGE_TEXT_FAMILIES, image_tokens_per_image,
+from AutoXLA.testing.tiny import (IMAGE_TEXT_FAMILIES, image_tokens_per_image,
                           save_tiny_image_text_checkpoint, tiny_image_text_config)
 
 from ..helpers import assert_close, check_sharding_matches_plan
@@ -87,7 +87,8 @@ def mistral3_2d_splash(image_text_checkpoints, xla_devices):
 
 
 def test_plan_shards_the_vision_tower_by_its_own_heads(image_text_checkpoints, capsys):
-    from AutoXLA.cli import main, plan_from_config
+    from AutoXLA.cli import main
+    from AutoXLA.planning.from_config import plan_from_config
 
     plan = plan_from_config(image_text_checkpoints["mistral3"], "mp")    # model axis 8
     assert plan.model_class == "Mistral3ForConditionalGeneration"

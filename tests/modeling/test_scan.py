@@ -10,7 +10,7 @@ import torch
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
-from AutoXLA.tiny import available_families, save_tiny_checkpoint
+from AutoXLA.testing.tiny import available_families, save_tiny_checkpoint
 from tests.conftest import reference_loader
 from tests.helpers import assert_close, check_sharding_matches_plan
 from tests.modeling.test_training import _train

@@ -3,14 +3,14 @@ mixture-of-experts layers. The plan scans layers 1.. as one loop and runs layer 
 it, as the model's own module; everything else (generation's stacked cache, saving, the unrolled
 fallback) must treat the prefix as the layers it is.
 
-The checkpoints are the coverage matrix's (AutoXLA/architectures.py), with 5 layers so that the
+The checkpoints are the coverage matrix's (AutoXLA/testing/architectures.py), with 5 layers so that the
 loop has 4 steps.
 """
 import pytest
 import torch
 
 from AutoXLA import backend
-from AutoXLA.architectures import save_checkpoint
+from AutoXLA.testing.architectures import save_checkpoint
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from tests.helpers import assert_close, check_sharding_matches_plan, quiet
 from tests.modeling.test_architectures import IDS, NEW_TOKENS, _reference
@@ -93,7 +93,7 @@ def test_saved_and_reloaded_gives_the_same_logits(model, reference, tmp_path):
     assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.4.mlp.gate.weight"} <= names
     assert not any("stacked" in n for n in names)
     # Each layer's tensors together, in layer order, layer 0's (a whole module) included.
-    from AutoXLA.saving import _tensors
+    from AutoXLA.saving import saved_tensors as _tensors
 
     order = [int(n.split(".")[2]) for n in _tensors(model) if n.startswith("model.layers.")]
     assert order == sorted(order)
@@ -160,7 +160,7 @@ def test_layers_that_all_differ_still_unroll_with_the_reason(tmp_path, xla_devic
 def test_a_pattern_of_pairs_after_one_layer(tmp_path, batch, xla_devices):
     # 5 Gemma 2 layers (sliding, global, ...): no whole number of pairs from layer 0, so layer 0
     # runs alone and layers 1..4 as 2 steps of a (global, sliding) pair.
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     ids, mask = batch
     valid = mask.bool()

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from AutoXLA.train_checkpoints import LOCK, TrainingCheckpointError, TrainingCheckpoints
+from AutoXLA.saving.training import LOCK, TrainingCheckpointError, TrainingCheckpoints
 
 
 def _trained(seed=0):
@@ -40,7 +40,7 @@ def _same(a, b) -> bool:
 # Each saver process waits for the "go" file, then tries to save steps 1..40 into one directory.
 _SAVER = textwrap.dedent("""
     import json, os, sys, time, torch
-    from AutoXLA.train_checkpoints import TrainingCheckpoints, TrainingCheckpointError
+    from AutoXLA.saving.training import TrainingCheckpoints, TrainingCheckpointError
     root, go = sys.argv[1], sys.argv[2]
     torch.manual_seed(int(sys.argv[3]))
     model = torch.nn.Linear(16, 16)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
-from AutoXLA.train_checkpoints import TrainingCheckpointError, TrainingCheckpoints
+from AutoXLA.saving.training import TrainingCheckpointError, TrainingCheckpoints
 
 
 def _batch():
@@ -103,7 +103,7 @@ def test_restore_refuses_another_model(checkpoints, xla_devices, tmp_path):
 # step 2 (where `pause` says). No torch_xla: the commit logic is the same for any tensors.
 _CHILD = textwrap.dedent("""
     import sys, time, torch
-    from AutoXLA import train_checkpoints as tc
+    from AutoXLA.saving import training as tc
     import torch.distributed.checkpoint as dcp
     root, pause = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
@@ -172,7 +172,7 @@ def test_a_resave_killed_between_its_renames_keeps_the_step(tmp_path):
 
 _RANK = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
-    from AutoXLA.train_checkpoints import TrainingCheckpoints
+    from AutoXLA.saving.training import TrainingCheckpoints
     root, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)

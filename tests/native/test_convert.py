@@ -242,8 +242,8 @@ def test_native_error_carries_code_and_message():
 
 
 def test_missing_library_names_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setattr(_native, "__file__", str(tmp_path / "_native.py"))
-    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native.library, "__file__", str(tmp_path / "_native" / "library.py"))
+    monkeypatch.setattr(_native.library, "_lib", None)
     with pytest.raises(_native.NativeLibraryError, match=r"pip install -e \."):
         _native.convert(torch.zeros(4), torch.float16)
 

@@ -343,7 +343,7 @@ def test_abi_version_matches_the_header():
 def test_stale_library_is_refused_before_missing_symbols(monkeypatch):
     """A library of another ABI fails with the rebuild hint, not an AttributeError for a
     function it lacks."""
-    monkeypatch.setattr(_native, "ABI_VERSION", _native.ABI_VERSION - 1)
-    monkeypatch.setattr(_native, "_lib", None)
+    monkeypatch.setattr(_native.library, "ABI_VERSION", _native.ABI_VERSION - 1)
+    monkeypatch.setattr(_native.library, "_lib", None)
     with pytest.raises(_native.NativeLibraryError, match=r"ABI version \d+.*pip install -e \."):
         _native.scatter_shards(torch.zeros(4), (2,), torch.float16)

@@ -4,7 +4,7 @@ mistake shows up as collectives the plan did not predict. Each compile runs in a
 (XLA reads its dump flags once per process)."""
 import pytest
 
-from AutoXLA import cli
+from AutoXLA.planning.from_config import plan_from_config
 from AutoXLA.planning.communication import communication
 from AutoXLA.planning.measure import compare, measure_step
 
@@ -17,7 +17,7 @@ TOLERANCE = 0.10
 
 @pytest.fixture(scope="module")
 def fsdp_forecast(checkpoints):
-    return communication(cli.plan_from_config(checkpoints["llama"], "fsdp", 8), batch=BATCH,
+    return communication(plan_from_config(checkpoints["llama"], "fsdp", 8), batch=BATCH,
                          seq=SEQ)
 
 
@@ -52,7 +52,7 @@ def _gradient_bytes(path):
     from AutoXLA.modeling.empty import load_config
     from AutoXLA.planning.memory import TrainingSetup, training_forecast
 
-    plan = cli.plan_from_config(path, "fsdp", 8, scan_layers=False)
+    plan = plan_from_config(path, "fsdp", 8, scan_layers=False)
     f = training_forecast(plan, load_config(path), TrainingSetup(BATCH, SEQ, "sgd"))
     return {x.name: x.bytes_per_device for x in f.lines}["gradients"]
 
@@ -75,7 +75,7 @@ def test_the_kv_cache_generation_passes_is_the_plans(checkpoints, xla_devices, t
 
     g = measure_generation(checkpoints["llama"], "2d", batch=BATCH, prompt=SEQ,
                            dump_dir=tmp_path)
-    plan = cli.plan_from_config(checkpoints["llama"], "2d", 8)
+    plan = plan_from_config(checkpoints["llama"], "2d", 8)
     kv = plan.kv_cache(g.batch, g.length)
     want = f"f32[{','.join(map(str, (kv.layers, *kv.shard_shape(plan.mesh))))}]"   # stacked
     decode = [(params, stats) for _, params, stats in g.programs

@@ -3,11 +3,13 @@ import pytest
 import torch
 import transformers
 
-from AutoXLA.cli import main, plan_from_config
+from AutoXLA.cli import main
+
+from AutoXLA.planning.from_config import plan_from_config
 from AutoXLA.planning.memory import (InferenceSetup, LayerShape, TrainingSetup,
                                      inference_forecast, layer_saved_bytes_per_token,
                                      training_forecast)
-from AutoXLA.tiny import tiny_config
+from AutoXLA.testing.tiny import tiny_config
 
 
 def _optimizer(name, params):

@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
-from AutoXLA.cli import main, plan_from_config
+from AutoXLA.cli import main
+
+from AutoXLA.planning.from_config import plan_from_config
 from AutoXLA.planning import plot
 from AutoXLA.planning.memory import TrainingSetup, training_forecast
 from AutoXLA.planning.topology import topology
-from AutoXLA.tiny import tiny_config
+from AutoXLA.testing.tiny import tiny_config
 from tests.helpers import REFUSE_TORCH_XLA
 
 GiB = 2**30

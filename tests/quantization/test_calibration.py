@@ -35,7 +35,7 @@ W8A8 = QuantizationConfig(quantize_activation=True)
 def outlier_checkpoint(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from AutoXLA.tiny import tiny_config
+    from AutoXLA.testing.tiny import tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)

@@ -13,8 +13,8 @@ from AutoXLA.loading.streaming import read_whole
 from AutoXLA.modeling import AutoXLAModelForCausalLM, AutoXLAModelForImageSegmentation
 from AutoXLA.quantization import (ModelQuantizer, QuantizationConfig, QuantizedEmbedding,
                                   QuantizedLinear)
-from AutoXLA.quantization.linear import dequantize
-from AutoXLA.quantization.quantizer import quantize_tensor
+from AutoXLA.quantization.packing import dequantize
+from AutoXLA.quantization.weights import quantize_tensor
 
 from ..helpers import assert_close, check_sharding_matches_plan
 

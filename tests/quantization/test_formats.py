@@ -10,7 +10,7 @@ from AutoXLA.loading import checkpoint as ckpt
 from AutoXLA.loading.streaming import read_whole
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig, QuantizedLinear
-from AutoXLA.quantization.quantizer import quantize_tensor
+from AutoXLA.quantization.weights import quantize_tensor
 
 from ..helpers import assert_close, quiet
 

@@ -9,8 +9,9 @@ import torch
 from AutoXLA import _native
 from AutoXLA.quantization import QuantizationConfig
 from AutoXLA.quantization.backends import choose, pallas_arguments, xla_op_arguments
-from AutoXLA.quantization.linear import QuantizedLinear, dequantize, unpack_int4
-from AutoXLA.quantization.quantizer import quantize_tensor
+from AutoXLA.quantization.linear import QuantizedLinear
+from AutoXLA.quantization.packing import dequantize, unpack_int4
+from AutoXLA.quantization.weights import quantize_tensor
 
 SCALE_DTYPE = torch.bfloat16     # the default format's scales
 

@@ -51,7 +51,7 @@ def _files(d):
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     """A shrunk Mixtral in the hub's layout (one tensor per expert), from its config class."""
-    from AutoXLA.architectures import save_checkpoint
+    from AutoXLA.testing.architectures import save_checkpoint
 
     return save_checkpoint("Mixtral", tmp_path_factory.mktemp("mixtral"))
 
@@ -79,7 +79,7 @@ def test_offline_equals_quantizing_at_load_time(source, name, checkpoints, mixtr
     # Each stored tensor equals the one the load-time-quantized model holds.
     from safetensors import safe_open
 
-    held = saving._tensors(saving.unwrap(at_load))
+    held = saving.saved_tensors(saving.unwrap(at_load))
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(held)
     for n, f in index.items():
@@ -99,7 +99,7 @@ def _run(*argv, env=None):
 
 
 def test_streams_in_bounded_memory_without_xla(tmp_path):
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     # Multi-shard, with 8 MiB float32 MLP weights (64 x 32768): large enough to see in the peak
     # RSS, which the tiny fixture (64 KiB tensors) is not.

@@ -9,7 +9,7 @@ from AutoXLA.loading import checkpoint as ckpt
 from AutoXLA.loading.streaming import read_whole
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import ModelQuantizer, QuantizationConfig, QuantizedLinear
-from AutoXLA.quantization.quantizer import quantize_tensor
+from AutoXLA.quantization.weights import quantize_tensor
 
 from ..helpers import SQNR_FLOOR_DB, assert_close, check_sharding_matches_plan
 

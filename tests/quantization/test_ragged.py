@@ -10,7 +10,7 @@ from AutoXLA.loading import checkpoint as ckpt
 from AutoXLA.loading.streaming import read_whole
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import ModelQuantizer, QuantizationConfig, QuantizedLinear
-from AutoXLA.quantization.quantizer import quantize_tensor
+from AutoXLA.quantization.weights import quantize_tensor
 
 from ..helpers import assert_close, check_sharding_matches_plan, quiet
 
@@ -23,7 +23,7 @@ def wide_llama(tmp_path_factory):
     """A tiny Llama whose every linear reads 200 inputs (hidden and intermediate sizes 200)."""
     from transformers import AutoModelForCausalLM
 
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     path = save_tiny_checkpoint("llama", tmp_path_factory.mktemp("wide") / "llama", seed=3,
                                 hidden_size=WIDTH, intermediate_size=WIDTH,

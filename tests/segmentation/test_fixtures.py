@@ -1,4 +1,4 @@
-"""The tiny segmentation checkpoints of AutoXLA.tiny_vision, in plain transformers on the CPU.
+"""The tiny segmentation checkpoints of AutoXLA.testing.tiny_vision, in plain transformers on the CPU.
 
 No XLA here: these pin the fixtures themselves (sharded files, which auto class loads them, that
 their outputs are finite, informative and fast) so that the sharded tests built on them can trust
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from AutoXLA import tiny_vision
+from AutoXLA.testing import tiny_vision
 
 FAMILIES = tiny_vision.available_families()
 MISSING = tiny_vision.missing_families()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from AutoXLA import AutoXLAModelForImageSegmentation, backend
-from AutoXLA import tiny_vision
+from AutoXLA.testing import tiny_vision
 from AutoXLA.quantization import ModelQuantizer, QuantizationConfig, QuantizedLinear
 from tests.helpers import assert_close, check_sharding_matches_plan
 

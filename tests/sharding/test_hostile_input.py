@@ -7,6 +7,7 @@ import time
 import pytest
 
 from AutoXLA import cli
+from AutoXLA.planning.from_config import plan_from_config
 from AutoXLA.sharding import mesh
 
 BASE = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -90,7 +91,7 @@ def test_an_enormous_vocab_is_planned_without_host_memory(tmp_path):
     d = _config_dir(tmp_path, vocab_size=10**9, hidden_size=4096, num_attention_heads=32,
                     num_key_value_heads=32)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    plan = cli.plan_from_config(d)
+    plan = plan_from_config(d)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     embed = next(t for t in plan if t.name == "model.embed_tokens.weight")
     assert embed.shape == (10**9, 4096)
@@ -132,7 +133,7 @@ def test_a_bug_is_one_line_too(capsys, monkeypatch, checkpoints):
     def broken(*a, **k):
         raise ZeroDivisionError("boom")
 
-    from AutoXLA import plan_cli
+    from AutoXLA.cli import plan as plan_cli
 
     monkeypatch.setattr(plan_cli, "meta_model", broken)   # what `autoxla plan` builds with
     rc, _, err = _run(capsys, "plan", checkpoints["llama"])

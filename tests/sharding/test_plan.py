@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from AutoXLA.cli import main, plan_from_config
+from AutoXLA.cli import main
+
+from AutoXLA.planning.from_config import plan_from_config
 
 
 def test_roles_and_specs_follow_the_megatron_convention(checkpoints):
@@ -109,7 +111,7 @@ def test_plan_says_whether_the_decoder_stack_is_scanned(tmp_path):
     # From the config alone: a stack whose layers repeat is scanned (Gemma 2 by pairs of its
     # alternating sliding/global layers), one that does not is unrolled with the reason, and
     # --no-scan (scan_layers=False) says so.
-    from AutoXLA.tiny import tiny_config
+    from AutoXLA.testing.tiny import tiny_config
 
     llama = plan_from_config(tiny_config("llama", num_hidden_layers=6), "fsdp", 8)
     assert (llama.stack.path, llama.stack.layers, llama.stack.group, llama.stack.scanned) == (

@@ -15,7 +15,7 @@ import torch
 from AutoXLA import backend
 from AutoXLA.attention import KERNELS, tpu
 from AutoXLA.modeling import AutoXLAModelForCausalLM
-from AutoXLA.tiny import available_families
+from AutoXLA.testing.tiny import available_families
 from tests.conftest import reference_loader
 from tests.helpers import assert_close, embeds_and_q_proj_grads
 
@@ -34,7 +34,7 @@ def _load(path, kernel, strategy="fsdp", **kwargs):
 def four_layers(tmp_path_factory):
     """family -> a 4-layer tiny checkpoint: two periods of Gemma 2's sliding/full pattern, so
     every family's stack is scanned (the session's 2-layer Gemma 2 is one period, unrolled)."""
-    from AutoXLA.tiny import save_tiny_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("four-layers")
     return {f: save_tiny_checkpoint(f, root / f, seed=i, num_hidden_layers=4)
@@ -168,7 +168,7 @@ def test_attention_sinks_run_eager_attention_and_say_so(kernel, tmp_path, kernel
     # before this both names silently dropped it (on any device).
     from transformers import AutoModelForCausalLM
 
-    from AutoXLA.architectures import save_checkpoint
+    from AutoXLA.testing.architectures import save_checkpoint
 
     # Sinks that matter (random ones near 0 barely do), saved in the checkpoint AutoXLA loads.
     source = save_checkpoint("gpt-oss", tmp_path / "gpt-oss")

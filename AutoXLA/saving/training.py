@@ -30,6 +30,9 @@ devices need, whatever mesh saved them. AutoXLA adds what DCP leaves to the call
   (config.json + safetensors, per-layer names even for a scanned stack) with save_pretrained's
   journaled, atomic writer, one group of tensors in memory at a time.
 
+Over 600 lines because the commit protocol, the checks and the export are one contract with one
+lock; split, each part would have to re-establish it.
+
 On several processes, ``torch.distributed`` must be initialised (``gloo``, docs/multihost.md); the
 directory must be shared storage all hosts see. On one process nothing needs initialising.
 """
@@ -148,7 +151,7 @@ class TrainingCheckpoints:
              ) -> Path:
         """Writes model (and optimizer) state as ``step``; returns the step's directory once it is
         committed. Call it after the optimizer step, on every process."""
-        from . import backend
+        from .. import backend
 
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TrainingCheckpointError(f"step={step!r}: pass the training step as an int >= 0")
@@ -307,7 +310,7 @@ class TrainingCheckpoints:
         save_pretrained's journaled writer: a failure leaves ``out_dir`` as it was."""
         import torch.distributed.checkpoint as dcp
 
-        from . import saving
+        from . import journal
 
         step, path, manifest = self._committed(step)
         problem = _missing_data(path)
@@ -320,12 +323,12 @@ class TrainingCheckpoints:
         described = manifest["model"]
         names = _export_names(described, manifest["stacked"])
         sizes = {n: _nbytes(*_export_spec(n, described, names)) for n in names}
-        groups = saving.shard_groups(sizes, saving._parse_size(max_shard_size))
+        groups = journal.shard_groups(sizes, journal.parse_size(max_shard_size))
         target = Path(out_dir)
         target.mkdir(parents=True, exist_ok=True)
 
         def write_shards(paths, groups):
-            from .loading.safetensors_out import ShardWriter
+            from ..loading.safetensors_out import ShardWriter
 
             for file, group in zip(paths, groups):
                 specs = {n: _export_spec(n, described, names) for n in group}
@@ -343,14 +346,14 @@ class TrainingCheckpoints:
                     writer.close()
                 del held
 
-        saving.write_checkpoint(target, groups, write_shards, manifest["config"],
+        journal.write_checkpoint(target, groups, write_shards, manifest["config"],
                                 manifest.get("generation_config"))
         return target
 
 
 # -- state ---------------------------------------------------------------------------------------
 def _unwrap(model: nn.Module) -> nn.Module:
-    from .saving import unwrap
+    from .pretrained import unwrap
 
     return unwrap(model)
 
@@ -358,8 +361,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by the model's own names (FSDPv2's wrapper names
     dropped), each storage once: the names a model loaded the same way has on any mesh."""
-    from .saving import _FSDP_WRAPPED
-    from .sharding.plan import persistent_buffer_names
+    from .pretrained import _FSDP_WRAPPED
+    from ..sharding.plan import persistent_buffer_names
 
     persistent = persistent_buffer_names(model)
     named = list(model.named_parameters())
@@ -389,12 +392,11 @@ def _check_same(saved: dict, now: dict, path: Path) -> None:
 
 def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
     """A scanned stack's ``[layers, ...]`` tensor -> the per-layer names transformers uses."""
-    from .modeling.scan import StackedDecoderLayers
-    from .saving import _FSDP_WRAPPED
+    from .pretrained import _FSDP_WRAPPED
 
     out = {}
     for prefix, m in model.named_modules():
-        if not isinstance(m, StackedDecoderLayers):
+        if not hasattr(m, "per_layer_items"):     # modeling/scan.py's StackedDecoderLayers
             continue
         prefix = (prefix + ".").replace(_FSDP_WRAPPED, "").rstrip(".")
         for name in m.stacked_tensors():
@@ -403,11 +405,11 @@ def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _model_files(model: nn.Module) -> dict:
-    from .saving import _config_json, generation_json
+    from .pretrained import config_json, generation_json
 
     if getattr(model, "config", None) is None:      # a plain nn.Module: nothing to export with
         return {"config": None, "generation_config": None}
-    return {"config": _config_json(model), "generation_config": generation_json(model)}
+    return {"config": config_json(model), "generation_config": generation_json(model)}
 
 
 def _optimizer_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
@@ -437,7 +439,7 @@ def _optimizer_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
 
 def _optimizer_templates(model: nn.Module, saved: dict) -> dict:
     """Tensors DCP loads the optimizer state into: XLA ones sharded like their parameter."""
-    from . import backend
+    from .. import backend
 
     params = {name: p for p, name in _parameters_by_name(model)}
     out = {}
@@ -497,7 +499,7 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 
 def _parameters_by_name(model: nn.Module) -> list[tuple[nn.Parameter, str]]:
     """(parameter, its name without FSDPv2's wrapper parts), as named_parameters lists them."""
-    from .saving import _FSDP_WRAPPED
+    from .pretrained import _FSDP_WRAPPED
 
     return [(p, n.replace(_FSDP_WRAPPED, "")) for n, p in model.named_parameters()]
 
@@ -593,7 +595,7 @@ def _barrier() -> None:
 
 
 def _write_json(path: Path, value: dict) -> None:
-    from .saving import _write_text
+    from .journal import _write_text
 
     tmp = path.with_name(path.name + ".tmp")
     _write_text(tmp, json.dumps(value, indent=1, sort_keys=True))
@@ -601,7 +603,7 @@ def _write_json(path: Path, value: dict) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    from .saving import _fsync_dir as fsync_dir
+    from .journal import _fsync_dir as fsync_dir
 
     fsync_dir(path)
 

@@ -230,8 +230,8 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
     this is also the object a reloaded checkpoint must equal.
     """
     config = tiny_config(family, **overrides)
-    from .modeling.pipeline import pick_auto_class
-    from .modeling.segmentation import auto_classes
+    from ..modeling.pipeline import pick_auto_class
+    from ..modeling.segmentation import auto_classes
 
     auto = pick_auto_class(auto_classes(), config)
     torch.manual_seed(seed)
@@ -339,8 +339,8 @@ def sam3_detector_model(*, seed: int = 0, dtype: torch.dtype = torch.float32, **
     segmentation loader picks (its AutoModel fallback), deterministic in ``seed``."""
     import transformers
 
-    from .modeling.pipeline import pick_auto_class
-    from .modeling.segmentation import auto_classes
+    from ..modeling.pipeline import pick_auto_class
+    from ..modeling.segmentation import auto_classes
 
     config = sam3_detector_config(**overrides)
     auto = pick_auto_class(auto_classes(), config)

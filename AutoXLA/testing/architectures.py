@@ -151,8 +151,8 @@ def markdown_table() -> str:
 def _stack(arch: Architecture) -> str:
     from transformers import AutoModelForCausalLM
 
-    from .modeling.pipeline import empty_model
-    from .sharding.decoder_stack import plan_stack
+    from ..modeling.pipeline import empty_model
+    from ..sharding.decoder_stack import plan_stack
 
     plan = plan_stack(empty_model(arch.config(), AutoModelForCausalLM).model)
     if plan.scanned:

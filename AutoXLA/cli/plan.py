@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import sys
 
-from .planning import request as forecast_request
-from .planning.from_config import meta_model, plan_for_mesh
-from .planning.memory import OPTIMIZERS
-from .planning.plot import FORMATS
+from ..planning import request as forecast_request
+from ..planning.from_config import meta_model, plan_for_mesh
+from ..planning.memory import OPTIMIZERS
+from ..planning.plot import FORMATS
 
 
 def add_arguments(p) -> None:
@@ -63,7 +63,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .sharding.mesh import mesh_shape_for, normalize_strategy
+    from ..sharding.mesh import mesh_shape_for, normalize_strategy
 
     qcfg = _quantization(args)
     req = forecast_request.request(args)       # every flag checked before a model is built
@@ -96,7 +96,7 @@ def run(args) -> int:
 def _multislice(args, mesh):
     """The MultiSlice of --slices / --dcn-axes, checked against the mesh now (before a model is
     built), or None for one slice."""
-    from .sharding.multislice import MultiSlice
+    from ..sharding.multislice import MultiSlice
 
     if args.slices == 1:
         return None
@@ -107,7 +107,7 @@ def _multislice(args, mesh):
 
 def _quantization(args):
     if args.bits is not None:
-        from .quantization import QuantizationConfig
+        from ..quantization import QuantizationConfig
 
         return QuantizationConfig(n_bits=args.bits, block_size=args.block_size,
                                   symmetric=not args.asym)
@@ -137,7 +137,7 @@ def _communication(plan, args):
     if args.batch is None or (args.seq is None and args.max_len is None):
         raise ValueError("--comm needs --batch B and --seq S (a training step) or --batch B and "
                          "--max-len L (a decode step)")
-    from .planning.communication import communication
+    from ..planning.communication import communication
 
     if args.seq is not None:
         return communication(plan, batch=args.batch, seq=args.seq, train=True)
@@ -164,7 +164,7 @@ def _as_dict(plan, kv, comm, req, fc, ranking) -> dict:
 
 
 def _plot(path, req, plan, strategy, mesh, fc, ranking) -> None:
-    from .planning import plot
+    from ..planning import plot
 
     def label(s, m):
         return f"{s}\n{'x'.join(map(str, m.sizes))}"

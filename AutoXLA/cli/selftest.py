@@ -49,12 +49,12 @@ def _counting(module, name: str, counter: list):
 
 def run() -> tuple[str, list[Check]]:
     """(where the kernels ran, one Check per path)."""
-    from . import backend
-    from .attention import tpu
-    from .kernels import interpret
-    from .modeling import AutoXLAModelForCausalLM
-    from .quantization import QuantizationConfig
-    from .tiny import save_tiny_checkpoint
+    from .. import backend
+    from ..attention import tpu
+    from ..kernels import interpret
+    from ..modeling import AutoXLAModelForCausalLM
+    from ..quantization import QuantizationConfig
+    from ..testing.tiny import save_tiny_checkpoint
 
     backend.ensure_spmd()
     if backend.on_tpu():

@@ -10,7 +10,7 @@ import os
 
 
 def add_arguments(p) -> None:
-    from .evaluation.formats import SETS
+    from ..evaluation.formats import SETS
 
     p.add_argument("path", nargs="?", help="local checkpoint directory (config.json, "
                    "safetensors, tokenizer)")
@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 
 def formats_from(args) -> list:
     """The formats --formats and --bits name (validated before anything is loaded)."""
-    from .evaluation.formats import bits_formats, parse_formats
+    from ..evaluation.formats import bits_formats, parse_formats
 
     out = []
     if args.formats is not None:
@@ -47,7 +47,7 @@ def formats_from(args) -> list:
 
 
 def list_formats() -> str:
-    from .evaluation.formats import FORMATS, SETS
+    from ..evaluation.formats import FORMATS, SETS
 
     width = max(map(len, FORMATS))
     lines = [f"{f.name.ljust(width)}  {f.kind:9s}  {f.about}" for f in FORMATS.values()]
@@ -76,13 +76,13 @@ def run(args) -> int:
                                 "directory saved by save_pretrained (config.json and safetensors "
                                 "weights)")
     if args.text is not None:
-        from .evaluation.perplexity import read_text
+        from ..evaluation.perplexity import read_text
 
         read_text(args.text)                 # a bad file is reported before any model loads
-    from . import backend
+    from .. import backend
 
     backend.use_cpu_devices(args.devices)
-    from .evaluation import evaluate
+    from ..evaluation import evaluate
 
     ev = evaluate(args.path, formats, text_file=args.text, strategy=args.strategy,
                   max_tokens=args.max_tokens, window=args.window,

@@ -35,7 +35,7 @@ def add_arguments(p) -> None:
 
 
 def config_from(args):
-    from .quantization import QuantizationConfig
+    from ..quantization import QuantizationConfig
 
     if args.zero_point is not None and not args.asym:
         raise ValueError("--zero-point describes an asymmetric format: add --asym")
@@ -49,13 +49,14 @@ def config_from(args):
     return QuantizationConfig(**kw)
 
 
-def run(args, dtypes: dict) -> int:
+def run(args) -> int:
     import sys
     import time
 
     import torch
 
-    from .quantization.offline import quantize_checkpoint
+    from ..planning.from_config import DTYPE_NAMES as dtypes
+    from ..quantization.offline import quantize_checkpoint
 
     config = config_from(args)
     dtype = "auto"

@@ -17,12 +17,26 @@ NEW_TOKENS = 64
 INT8_SQNR_DB = 25.0
 
 
+def add_arguments(p) -> None:
+    p.add_argument("--strategy", default="2d")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--dir", default=None, help="where the converted checkpoint is kept "
+                   "(default $AUTOXLA_CACHE or ~/.cache/autoxla/models)")
+
+
+def run(args) -> int:
+    from .. import backend
+
+    backend.use_cpu_devices(args.devices)     # before anything touches the XLA runtime
+    return 0 if run_demo(args.dir, strategy=args.strategy) else 1
+
+
 def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
-    from . import backend
-    from .modeling import AutoXLAModelForCausalLM
-    from .real_model import chat_prompt, smollm2_checkpoint
+    from .. import backend
+    from ..modeling import AutoXLAModelForCausalLM
+    from ..testing.real_model import chat_prompt, smollm2_checkpoint
 
     t0 = time.perf_counter()
     path = smollm2_checkpoint(cache_dir)
@@ -59,8 +73,8 @@ def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
 
 
 def _splash(path, strategy, eager_tokens, ids, mask, args) -> bool:
-    from . import backend
-    from .modeling import AutoXLAModelForCausalLM
+    from .. import backend
+    from ..modeling import AutoXLAModelForCausalLM
 
     model = AutoXLAModelForCausalLM.from_pretrained(
         path, sharding_strategy=strategy, attn_implementation="splash_attention",
@@ -74,9 +88,9 @@ def _splash(path, strategy, eager_tokens, ids, mask, args) -> bool:
 
 
 def _quantized(path, strategy, reference, tokenizer, ids, mask, args) -> bool:
-    from . import backend
-    from .modeling import AutoXLAModelForCausalLM
-    from .quantization import QuantizationConfig
+    from .. import backend
+    from ..modeling import AutoXLAModelForCausalLM
+    from ..quantization import QuantizationConfig
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # use_pallas off a TPU: reported in the summary below

