@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python bench/quantize_checkpoint.py [--layers 16] [--bits 8 4] [--dir DIR]
 
 The checkpoint (a Llama config: hidden 2048, MLP 8192, vocab 32000, bf16, 2 GB shards) is
-written on the fly one tensor at a time (loading/safetensors_out.py), random normal weights; then
+written on the fly one tensor at a time (saving/safetensors_out.py), random normal weights; then
 `autoxla quantize` runs in a fresh interpreter per bit width, and once on a tiny checkpoint of
 the same architecture for the baseline RSS (interpreter, torch, transformers, the empty model).
 Goal (printed as met / not met): peak RSS - baseline within two tensors of the largest.
@@ -39,8 +39,8 @@ def write_checkpoint(directory: Path, layers: int, hidden: int, mlp: int, vocab:
     from transformers import LlamaConfig
 
     from AutoXLA import saving
-    from AutoXLA.loading.checkpoint import SAFE_INDEX, SAFE_SINGLE
-    from AutoXLA.loading.safetensors_out import ShardWriter
+    from AutoXLA.saving.journal import SAFE_INDEX, SAFE_SINGLE
+    from AutoXLA.saving.safetensors_out import ShardWriter
 
     config = LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                          num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,

@@ -1,5 +1,5 @@
 """`autoxla quantize SRC DST --bits 8|4`: a float checkpoint quantized on the CPU host, no XLA
-devices (quantization/offline.py); DST then loads as it is, never quantized again."""
+devices (modeling/offline.py); DST then loads as it is, never quantized again."""
 from __future__ import annotations
 
 
@@ -56,7 +56,7 @@ def run(args) -> int:
     import torch
 
     from ..planning.from_config import DTYPE_NAMES as dtypes
-    from ..quantization.offline import quantize_checkpoint
+    from ..modeling.offline import quantize_checkpoint
 
     config = config_from(args)
     dtype = "auto"

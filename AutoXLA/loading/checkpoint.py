@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from ..saving.journal import SAFE_INDEX, SAFE_SINGLE  # noqa: F401 - the loader's names too
 from .. import _native
 
 # safetensors dtype strings -> torch dtypes.
@@ -25,7 +26,6 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
-SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 PICKLE_INDEX, PICKLE_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
 # Header size limit, as the safetensors format itself sets it (100 MB): guards against garbage.
 _MAX_HEADER = 100_000_000

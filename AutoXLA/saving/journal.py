@@ -72,7 +72,6 @@ from fractions import Fraction
 from pathlib import Path
 
 from .._native import file_kind
-from ..loading.checkpoint import SAFE_INDEX, SAFE_SINGLE
 
 try:
     import fcntl
@@ -80,6 +79,8 @@ except ImportError:   # pragma: no cover - Windows: no concurrent-save detection
     fcntl = None
 
 CONFIG = "config.json"
+# The weight files of a checkpoint, as transformers names them (the loader reads these names too).
+SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
 GENERATION_CONFIG = "generation_config.json"
 _PREVIOUS_CONFIG = CONFIG + ".autoxla-previous"
 _REPLACED = (CONFIG, GENERATION_CONFIG, SAFE_SINGLE, SAFE_INDEX)   # replaced by design
@@ -504,7 +505,7 @@ def write_checkpoint(target: Path, groups: list[list[str]], write_shards, config
     docstring): ``write_shards(paths, groups)`` writes one safetensors file per group of tensor
     names (at the journal's temporary names); the index, generation config and config.json are
     written from the texts given.
-    Shared by save_pretrained and the offline quantizer (quantization/offline.py)."""
+    Shared by save_pretrained and the offline quantizer (modeling/offline.py)."""
     _settle_interrupted(target)
     token, names, entries = _plan(target, len(groups), generation_text is not None)
     temp = {e.final: target / e.temp for e in entries if e.temp}

@@ -328,7 +328,7 @@ class TrainingCheckpoints:
         target.mkdir(parents=True, exist_ok=True)
 
         def write_shards(paths, groups):
-            from ..loading.safetensors_out import ShardWriter
+            from .safetensors_out import ShardWriter
 
             for file, group in zip(paths, groups):
                 specs = {n: _export_spec(n, described, names) for n in group}

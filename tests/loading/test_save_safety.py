@@ -427,6 +427,7 @@ _CHILD = textwrap.dedent("""
     from tests.loading import test_save_safety as t
     import safetensors.torch
     from AutoXLA import saving
+    from AutoXLA.saving import journal
     k, out, size = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     calls = [0]
     def counted(owner, attr):

@@ -13,7 +13,7 @@ from AutoXLA import backend, saving
 from AutoXLA.cli import main
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
-from AutoXLA.quantization.offline import quantize_checkpoint
+from AutoXLA.modeling.offline import quantize_checkpoint
 
 CONFIGS = {
     "int4-search": QuantizationConfig(n_bits=4),      # block 32, searched scales: format 3

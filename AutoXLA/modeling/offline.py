@@ -5,7 +5,7 @@ The result is what ``from_pretrained(SRC, do_quant=True, quantization_config=cfg
 on the meta device), the same C engine call per weight (quantize_tensor, on the tensor as the
 checkpoint stores it, as the loader does), the same tensor names, dtypes, shard grouping and files,
 committed by the same journaled save (saving.write_checkpoint). One tensor at a time is read,
-quantized or converted, and written at its offset in its shard (loading/safetensors_out.py), so
+quantized or converted, and written at its offset in its shard (saving/safetensors_out.py), so
 memory stays within about two tensors of the largest.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from .. import _native, saving
 from ..loading import checkpoint as ckpt
 from ..loading import streaming
-from ..loading.safetensors_out import ShardWriter
+from ..saving.safetensors_out import ShardWriter
 
 # Files that are not weights or configs but make a checkpoint usable (its tokenizer): copied from
 # SRC when DST has no file of that name (never over a file of DST).
@@ -35,7 +35,7 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
 
     progress: None = a bar on a terminal only (as the loader shows), True / False = always / never.
     """
-    from ..modeling.pipeline import quantize_on_meta
+    from .pipeline import quantize_on_meta
     from ..sharding.mesh import mesh_shape_for
     from ..sharding.plan import build_plan
 
@@ -112,10 +112,10 @@ def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def _empty_model(src: Path, dtype):
-    from ..modeling.causal import causal_or_image_text_class
-    from ..modeling.empty import load_config
-    from ..modeling.pipeline import empty_model, pick_auto_class
-    from ..modeling.segmentation import auto_classes
+    from .causal import causal_or_image_text_class
+    from .empty import load_config
+    from .pipeline import empty_model, pick_auto_class
+    from .segmentation import auto_classes
 
     config = load_config(str(src))
     if getattr(config, "quantization_config", None) is not None:
@@ -130,22 +130,22 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
     modeling/pipeline.py's load() and _load_quantized() without the devices."""
     from tqdm.auto import tqdm
 
-    from ..modeling.pipeline import _check_shape, _owner, _sources
-    from .experts import quantize_experts
-    from .linear import stored_tensors
-    from .weights import quantize_tensor
+    from ..loading.execute import check_shape, checkpoint_sources, owner_of
+    from ..quantization.experts import quantize_experts
+    from ..quantization.linear import stored_tensors
+    from ..quantization.weights import quantize_tensor
 
-    sources, quantize = _sources(model, plan, checkpoint, None)
+    sources, quantize = checkpoint_sources(model, plan, checkpoint, None)
     todo = [t for t in plan if not t.tied_to and t.derived_from not in quantize
             and (t.name in stored or t.name in quantize)]
     bar = tqdm(total=len(todo), desc="AutoXLA: quantizing", unit="tensor",
                disable=None if progress is None else not progress)
     for t in todo:
         key = sources.get(t.name)
-        owner, leaf = _owner(model, t.name)
+        owner, leaf = owner_of(model, t.name)
         if t.name in quantize:
             w = _read(key, checkpoint)
-            _check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+            check_shape(t, tuple(w.shape), key, expected=t.source_shape)
             label = f"{t.name} (checkpoint tensor {key!r})"
             q = (quantize_experts(w, owner, label) if getattr(owner, "num_experts", None)
                  else quantize_tensor(w, owner.quant_format, label, stats=False))
@@ -160,7 +160,7 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
                 value = owner._buffers[leaf].to(dtype)
             else:
                 value = _read(key, checkpoint)
-                _check_shape(t, tuple(value.shape), key)
+                check_shape(t, tuple(value.shape), key)
                 value = _converted(value, dtype)
             writer.write(t.name, value)
             del value
