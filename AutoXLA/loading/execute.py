@@ -14,14 +14,69 @@ import torch
 from torch import nn
 
 from .. import _native, backend
+from ..quantization.experts import quantize_experts
+from ..quantization.linear import stored_tensors
+from ..quantization.weights import quantize_tensor
 from ..sharding.plan import Plan
 from . import checkpoint as ckpt
 from . import streaming
+from .converted import compose
+from .host_quantize import host_quantized_shards, merged_stats
 
 logger = logging.getLogger("AutoXLA")
 # Bytes sent to the devices before the loader waits for the copies (their host shards stay alive
 # until the copy finishes).
 _WAIT_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class Step:
+    """One planned tensor the loader fills, and from what."""
+
+    tensor: Any        # its TensorPlan
+    key: Any           # the checkpoint key, a Composite (loading/converted.py), or None: the
+                       # model's own buffer (computed, or persistent and absent from the checkpoint)
+    owner: nn.Module   # the module holding it, under ``leaf``
+    leaf: str
+    quantize: bool     # a float checkpoint weight the plan quantizes as it is read
+
+
+def loading_steps(model: nn.Module, plan: Plan, checkpoint, state=None,
+                  only: set | None = None) -> list[Step]:
+    """What loading a checkpoint does, tensor by tensor in the plan's order, whatever the
+    destination (this host's devices: ``load``; files: modeling/offline.py): every planned tensor
+    but the tied ones (shared) and the quantized tensors made together with their weight.
+    ``only``: the names to fill (the weights quantized into them are kept too)."""
+    sources, quantize = checkpoint_sources(model, plan, checkpoint, state)
+    steps = []
+    for t in plan:
+        if t.tied_to or t.derived_from in quantize:
+            continue
+        if only is not None and t.name not in only and t.name not in quantize:
+            continue
+        owner, leaf = owner_of(model, t.name)
+        steps.append(Step(t, sources.get(t.name), owner, leaf, t.name in quantize))
+    return steps
+
+
+def quantize_weight(owner: nn.Module, w: torch.Tensor, label: str, importance=None,
+                    stats: bool = True):
+    """A float weight as the checkpoint stores it, quantized by the C engine in its module's
+    format: a QuantizedExperts' [E, ...] parameter expert by expert, a linear's whole."""
+    if getattr(owner, "num_experts", None):
+        return quantize_experts(w, owner, label)
+    return quantize_tensor(w, owner.quant_format, label, importance=importance, stats=stats)
+
+
+def read_whole(key, checkpoint, state=None) -> torch.Tensor:
+    """The checkpoint tensor ``key`` whole, in its stored dtype: from pickle weights already in
+    memory (``state``, handed over), from its file, or a Composite (experts stored one tensor per
+    expert) assembled from its pieces."""
+    if state is not None:
+        return state.pop(key)
+    if isinstance(key, str):
+        return streaming.read_whole(checkpoint.records[key])
+    return key.read_whole(checkpoint.records, checkpoint.records[key.pieces[0].key].dtype)
 
 
 def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
@@ -36,18 +91,14 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
     host = host or backend.current_host()
     state = (ckpt.load_pickle_state(checkpoint.pickle_files, checkpoint.pickle_map)
              if checkpoint.is_pickle else None)
-    sources, quantize = checkpoint_sources(model, plan, checkpoint, state)
     report = getattr(model, "autoxla_quantization", None)
     progress = _progress(plan, verbose)
     smoothed = smoothing.tensor_names() if smoothing is not None else set()
     stats = LoadStats(host, checkpoint_bytes=sum(r.nbytes for r in checkpoint.records.values()))
     in_flight = 0
-    for t in plan:
-        if t.tied_to or t.derived_from in quantize:   # shared, or made with its weight below
-            continue
-        key = sources.get(t.name)
-        owner, leaf = owner_of(model, t.name)
-        if t.name in quantize:
+    for step in loading_steps(model, plan, checkpoint, state):
+        t, key, owner, leaf = step.tensor, step.key, step.owner, step.leaf
+        if step.quantize:
             in_flight += _load_quantized(owner, t, plan, mesh, key, state, checkpoint, report,
                                          smoothing if t.name in smoothed else None, host, stats)
         else:
@@ -182,8 +233,6 @@ def _composites(model: nn.Module, plan: Plan, checkpoint, converted: list[str], 
     tensors (loading/converted.py), or a CheckpointError naming what cannot be placed."""
     if not converted:
         return {}
-    from .converted import compose
-
     def refuse(what: str):
         raise ckpt.CheckpointError(
             f"{len(converted)} tensor(s) of {checkpoint.directory} need transformers' weight "
@@ -214,10 +263,9 @@ def _source_dtype(key, state, checkpoint) -> torch.dtype:
 
 
 def _read_host(key: str, state, checkpoint, stats: LoadStats) -> torch.Tensor:
-    if state is not None:
-        return state.pop(key)
-    stats.bytes_read += checkpoint.records[key].nbytes
-    return streaming.read_whole(checkpoint.records[key])
+    if state is None:
+        stats.bytes_read += checkpoint.records[key].nbytes
+    return read_whole(key, checkpoint, state)
 
 
 def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, checkpoint, report,
@@ -228,11 +276,6 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     One host quantizes the whole weight. One of several reads and quantizes only the pieces its
     devices' shards come from (loading/host_quantize.py), unless the weight is smoothed or comes
     from pickle weights, which are whole in memory anyway."""
-    from .host_quantize import host_quantized_shards
-    from ..quantization.experts import quantize_experts
-    from ..quantization.linear import stored_tensors
-    from ..quantization.weights import quantize_tensor
-
     prefix = t.name.rpartition(".")[0]
     names = {leaf: f"{prefix}.{leaf}" if prefix else leaf
              for leaf in ("weight", "weight_scale", "weight_zero_point", "weight_offset")}
@@ -243,9 +286,7 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     experts = getattr(owner, "num_experts", None)     # a QuantizedExperts' [E, ...] parameter
 
     def quantize(w, importance):
-        if experts:
-            return quantize_experts(w, owner, label)
-        return quantize_tensor(w, owner.quant_format, label, importance=importance)
+        return quantize_weight(owner, w, label, importance)
 
     if not isinstance(key, str):               # experts stacked from one tensor per expert
         shards, read, q = _quantized_pieces(key, owner, leaves, checkpoint, mesh, host, label)
@@ -282,10 +323,6 @@ def _quantized_pieces(composite, owner: nn.Module, leaves: dict, checkpoint, mes
     expert (loading/converted.py): each piece is read and quantized alone by the C engine (its
     rows are whole rows of the projection, so this is the whole projection's result piece by
     piece) and lands in the quantized tensors' shards. Returns (shards, bytes read, stats)."""
-    from .host_quantize import merged_stats
-    from ..quantization.linear import stored_tensors
-    from ..quantization.weights import quantize_tensor
-
     if owner.source_transposed:
         raise ckpt.CheckpointError(
             f"{label}: one tensor per expert in the transposed layout [experts, in, out] cannot be "

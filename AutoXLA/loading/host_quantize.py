@@ -21,6 +21,7 @@ import types
 
 import torch
 
+from ..quantization.linear import stored_tensors
 from ..sharding import hosts
 from . import streaming
 
@@ -104,8 +105,6 @@ def _by_rows(record, leaves, mesh, host, quantize, importance):
 
 
 def _stored(q) -> dict[str, torch.Tensor]:
-    from ..quantization.linear import stored_tensors
-
     return stored_tensors(q)
 
 

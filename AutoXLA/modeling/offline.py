@@ -18,7 +18,8 @@ import torch
 
 from .. import _native, saving
 from ..loading import checkpoint as ckpt
-from ..loading import streaming
+from ..loading import execute, streaming
+from ..quantization.linear import stored_tensors
 from ..saving.safetensors_out import ShardWriter
 
 # Files that are not weights or configs but make a checkpoint usable (its tokenizer): copied from
@@ -126,29 +127,20 @@ def _empty_model(src: Path, dtype):
 
 
 def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress) -> None:
-    """Every stored tensor, as load() makes it on the host, handed to ``writer``: mirrors
-    modeling/pipeline.py's load() and _load_quantized() without the devices."""
+    """Every stored tensor, as the loader makes it on the host (loading/execute.py's steps, its
+    quantizer call and reads), handed to ``writer`` instead of the devices."""
     from tqdm.auto import tqdm
 
-    from ..loading.execute import check_shape, checkpoint_sources, owner_of
-    from ..quantization.experts import quantize_experts
-    from ..quantization.linear import stored_tensors
-    from ..quantization.weights import quantize_tensor
-
-    sources, quantize = checkpoint_sources(model, plan, checkpoint, None)
-    todo = [t for t in plan if not t.tied_to and t.derived_from not in quantize
-            and (t.name in stored or t.name in quantize)]
-    bar = tqdm(total=len(todo), desc="AutoXLA: quantizing", unit="tensor",
+    steps = execute.loading_steps(model, plan, checkpoint, only=stored)
+    bar = tqdm(total=len(steps), desc="AutoXLA: quantizing", unit="tensor",
                disable=None if progress is None else not progress)
-    for t in todo:
-        key = sources.get(t.name)
-        owner, leaf = owner_of(model, t.name)
-        if t.name in quantize:
-            w = _read(key, checkpoint)
-            check_shape(t, tuple(w.shape), key, expected=t.source_shape)
-            label = f"{t.name} (checkpoint tensor {key!r})"
-            q = (quantize_experts(w, owner, label) if getattr(owner, "num_experts", None)
-                 else quantize_tensor(w, owner.quant_format, label, stats=False))
+    for step in steps:
+        t, key = step.tensor, step.key
+        if step.quantize:
+            w = execute.read_whole(key, checkpoint)
+            execute.check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+            q = execute.quantize_weight(step.owner, w, f"{t.name} (checkpoint tensor {key!r})",
+                                        stats=False)
             del w
             prefix = t.name.rpartition(".")[0]
             for part, value in stored_tensors(q).items():
@@ -157,23 +149,15 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
         else:
             dtype = getattr(torch, t.dtype)
             if key is None:   # a persistent buffer the checkpoint lacks: the model's own value
-                value = owner._buffers[leaf].to(dtype)
+                value = step.owner._buffers[step.leaf].to(dtype)
             else:
-                value = _read(key, checkpoint)
-                check_shape(t, tuple(value.shape), key)
+                value = execute.read_whole(key, checkpoint)
+                execute.check_shape(t, tuple(value.shape), key)
                 value = _converted(value, dtype)
             writer.write(t.name, value)
             del value
         bar.update(1)
     bar.close()
-
-
-def _read(key, checkpoint) -> torch.Tensor:
-    """The checkpoint tensor ``key`` whole, in its stored dtype; a Composite (experts stored one
-    tensor per expert, loading/converted.py) assembled from its pieces."""
-    if isinstance(key, str):
-        return streaming.read_whole(checkpoint.records[key])
-    return key.read_whole(checkpoint.records, checkpoint.records[key.pieces[0].key].dtype)
 
 
 def _converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
