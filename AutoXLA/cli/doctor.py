@@ -110,7 +110,8 @@ def mappings(max_map_count_file: str = "/proc/sys/vm/max_map_count",
     SIGABRT in a sync) after hundreds of programs, which a server or a test suite compiles."""
     environ = os.environ if environ is None else environ
     try:
-        limit = int(open(max_map_count_file).read().split()[0])
+        with open(max_map_count_file) as f:
+            limit = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return {"max_map_count": None, "warning": "", "detail": "vm.max_map_count unknown (not "
                 "Linux?): nothing to check"}

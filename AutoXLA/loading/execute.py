@@ -1,9 +1,9 @@
 """The loading step executed: every tensor of a plan from the checkpoint into its sharded place on
 the devices this host owns (``load``; a float weight the plan quantizes is quantized on the host as
 it streams, by the C engine, and its quantized tensors sharded), or from a model already in memory
-(``place``). Which checkpoint tensor fills each planned tensor (``checkpoint_sources``, after checking that
-every one is there with its shape) is shared with the offline quantizer (modeling/offline.py),
-which writes the same tensors to files instead of devices."""
+(``place``). What is filled from which checkpoint tensor (``loading_steps``, after
+``checkpoint_sources`` checked that every one is there with its shape) is shared with the offline
+quantizer (modeling/offline.py), which writes the same tensors to files instead of devices."""
 from __future__ import annotations
 
 import logging
