@@ -3,6 +3,9 @@
 torch_xla is imported lazily, so that planning and the CLI's `plan` command work on machines
 without it; and the surface we use is kept small because PyTorch/XLA is expected to be replaced by
 a native TPU backend (docs/architecture.md).
+
+One module at ~610 lines on purpose: it is the whole surface a second runtime (TorchTPU) must
+provide, and keeping it in one file keeps that surface readable as a list.
 """
 from __future__ import annotations
 

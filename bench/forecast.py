@@ -6,7 +6,7 @@ against planning/communication.py's forecast from the plan alone, per strategy, 
 The model is the tiny llama fixture (AutoXLA.testing.tiny: 2 layers, hidden 64, 4 heads / 2 kv heads,
 vocab 256, fp32). For each strategy a training step (forward + backward, no optimizer) over
 batch x seq tokens and a decode-shaped step (one token per sequence, no KV cache) are compiled
-in a child process with XLA's dump on (planning/measure.py), unrolled (scan_layers=False); the
+in a child process with XLA's dump on (evaluation/measure.py), unrolled (scan_layers=False); the
 partitioned, optimized module's collectives are counted and their payload bytes per device
 summed (reduce-scatter and all-reduce together: XLA:CPU emits a reduce-scatter as an all-reduce
 then a slice). Goal: measured within 10 % of the forecast, or the difference explained
@@ -30,9 +30,10 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from AutoXLA.planning.from_config import plan_from_config  # noqa: E402
+from AutoXLA.modeling.from_config import plan_from_config  # noqa: E402
 from AutoXLA.planning.communication import communication  # noqa: E402
-from AutoXLA.planning.measure import compare, measure_generation, measure_step  # noqa: E402
+from AutoXLA.evaluation.measure import measure_generation, measure_step  # noqa: E402
+from AutoXLA.planning.hlo import compare  # noqa: E402
 from AutoXLA.testing.tiny import save_tiny_checkpoint  # noqa: E402
 
 _CLASS = {"all-gather": "gather", "reduce-scatter": "reduce", "all-reduce": "reduce"}

@@ -97,7 +97,7 @@ def naive_load(path: str, strategy: str, scan_layers: bool = True):
     from transformers import AutoModelForCausalLM
 
     from AutoXLA import backend
-    from AutoXLA.planning.from_config import plan_from_config
+    from AutoXLA.modeling.from_config import plan_from_config
 
     plan = plan_from_config(path, strategy, backend.device_count(), scan_layers=scan_layers)
     mesh = backend.make_mesh(plan.mesh)

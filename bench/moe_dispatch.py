@@ -41,7 +41,7 @@ def main() -> None:
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    from AutoXLA.modeling import experts as ours
+    from AutoXLA import moe as ours
     from AutoXLA.sharding.mesh import MeshShape
 
     ours.register()

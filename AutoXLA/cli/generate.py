@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from .. import backend
-    from ..planning.from_config import DTYPE_NAMES as dtypes
+    from ..modeling.from_config import DTYPE_NAMES as dtypes
     from ..loading.checkpoint import require_path_or_hub_id
     from ..sharding.hosts import SIMULATE_ENV
 

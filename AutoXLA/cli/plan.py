@@ -1,7 +1,7 @@
 """`autoxla plan PATH_OR_HUB_ID`: the sharding plan from a config alone, and what it costs.
 
 Reads top to bottom: flags checked (planning/request.py), the model built on meta and planned
-(planning/from_config.py), then whatever was asked of the plan: the KV cache, communication per
+(modeling/from_config.py), then whatever was asked of the plan: the KV cache, communication per
 step, a memory forecast against a TPU slice, a ranking of meshes, a picture. Nothing here imports
 torch_xla or needs a device.
 """
@@ -11,7 +11,7 @@ import json
 import sys
 
 from ..planning import request as forecast_request
-from ..planning.from_config import meta_model, plan_for_mesh
+from ..modeling.from_config import meta_model, plan_for_mesh
 from ..planning.memory import OPTIMIZERS
 from ..planning.plot import FORMATS
 

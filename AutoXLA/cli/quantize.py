@@ -55,7 +55,7 @@ def run(args) -> int:
 
     import torch
 
-    from ..planning.from_config import DTYPE_NAMES as dtypes
+    from ..modeling.from_config import DTYPE_NAMES as dtypes
     from ..modeling.offline import quantize_checkpoint
 
     config = config_from(args)

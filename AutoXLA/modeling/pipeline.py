@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend, generation
+from .. import backend, generation, moe
 from ..attention import patch_attention
 from ..attention.config import TRANSFORMERS_NAMES
 from ..attention.hf import register as register_attention
@@ -19,7 +19,7 @@ from ..loading import checkpoint as ckpt
 from ..loading.execute import load, place
 from ..sharding.mesh import mesh_shape_for
 from ..sharding.plan import Plan, build_plan
-from . import dynamic_cache, experts
+from . import dynamic_cache
 from . import wrap as wrapping
 from .empty import check_sizes, load_config, parameters_on_meta
 from .options import LoadOptions
@@ -53,7 +53,7 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "xla_patch_linear, generation_options, compile_cache, scan_layers, multislice) nor "
             "fields of the model's config; check the spelling")
     config._attn_implementation = opts.attn_implementation
-    experts.use_for(config)     # static-shape mixture-of-experts layers (modeling/experts.py)
+    moe.use_for(config)     # static-shape mixture-of-experts layers (moe.py)
     if opts.attn_implementation != "eager":
         register_attention()   # transformers must know the name before the model is built
         set_decoder_attention(config, TRANSFORMERS_NAMES[opts.attn_implementation])
@@ -88,7 +88,7 @@ def empty_model(config, auto_class, dtype="auto", trust_remote_code: bool = Fals
     with parameters_on_meta():
         model = auto_class.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.eval()
-    experts.check_supported(model)
+    moe.check_supported(model)
     tied = {}
     if hasattr(model, "get_expanded_tied_weights_keys"):
         tied = model.get_expanded_tied_weights_keys(all_submodels=True)
@@ -292,7 +292,7 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
 def _finish(model: nn.Module, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
     if opts.attn_implementation != "eager":                                         # 4. patch
         patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
-    experts.place(model, plan)             # 4. mixture-of-experts layers: the plan's split
+    moe.place(model, plan)                 # 4. mixture-of-experts layers: the plan's split
     stack_layers(model, plan, mesh)                                           # 4b. scan
     if plan.attention is not None:           # 4c. plain forwards: XLA-safe sliding cache layers
         dynamic_cache.install(model)

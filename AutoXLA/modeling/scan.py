@@ -21,6 +21,10 @@ generation's static one or an empty dynamic one, a slice the groups do not tile.
 Backward (training): the loop saves only each step's input hidden states and recomputes the
 step's forward inside a reverse loop (layer-wise rematerialisation, as gradient checkpointing),
 so activation memory is one layer's plus ``layers x hidden`` inputs, whatever the depth.
+
+One module at ~620 lines on purpose: the stacking, the recorders, the loop and its backward
+share the recorded-call format and the stacked tensors' layout; split, each half would have to
+know the other's internals.
 """
 from __future__ import annotations
 

@@ -3,9 +3,10 @@ decode step needs on the plan's mesh, per decoder layer and in total.
 
 Bytes are per device: an op's *payload* is the buffer one device holds for it (an all-gather's
 gathered result, a reduce-scatter's unreduced input, an all-reduce's buffer), which is what the
-partitioned HLO shows (planning/measure.py reads it back). *Wire* bytes add the ring algorithm's
-factor, the data each device sends: (n-1)/n of the payload for an all-gather or reduce-scatter
-over n devices, 2(n-1)/n for an all-reduce (a reduce-scatter then an all-gather).
+partitioned HLO shows (evaluation/measure.py compiles it, planning/hlo.py reads it back). *Wire*
+bytes add the ring algorithm's factor, the data each device sends: (n-1)/n of the payload for an
+all-gather or reduce-scatter over n devices, 2(n-1)/n for an all-reduce (a reduce-scatter then an
+all-gather).
 
 The rules (docs/planning.md, "Communication per step"):
 - a weight split over fsdp is all-gathered over fsdp before its forward use, and again in

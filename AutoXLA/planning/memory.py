@@ -221,7 +221,7 @@ class LayerShape:
 
     def mlp_width(self, model: int = 1) -> float:
         """Intermediate values per token of one layer's MLP on a device. A mixture of experts
-        runs every expert on every token (modeling/experts.py, dense dispatch): all of them count,
+        runs every expert on every token (moe.py, dense dispatch): all of them count,
         whatever top-k the router picks; a dense MLP splits its intermediate over model."""
         if self.experts:
             return self.experts * self.expert_intermediate

@@ -13,7 +13,7 @@ Each expert's (out, in) matrix is quantized exactly as a QuantizedLinear of that
 per output row, blocks along the input): the C engine quantizes the ``experts x out`` rows in one
 call. A transposed checkpoint layout (gpt-oss keeps [experts, in, out]) is stored [experts, out,
 in] too, so that scales run along output channels as everywhere else. The forward
-(modeling/experts.py) dequantizes inside the compiled graph and multiplies as with a float
+(moe.py) dequantizes inside the compiled graph and multiplies as with a float
 weight: no torch_xla quantized kernel takes a batch of expert matrices.
 """
 from __future__ import annotations

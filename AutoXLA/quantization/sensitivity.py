@@ -28,6 +28,8 @@ from torch import nn
 from .calibration import (Calibration, CalibrationConfig, check_ids, collect, layer_by_layer,
                           model_device, read_back, refuse_scanned, token_batch, token_nll)
 from .config import QuantizationConfig
+from .decisions import decide, shared_parameter_names
+from .embedding import GATHER
 from .linear import stored_tensors
 from .packing import dequantize
 from .weights import quantize_tensor
@@ -230,14 +232,11 @@ def run(model: nn.Module, cal: CalibrationConfig, config: QuantizationConfig, to
     """Calibrate the float ``model``, smooth it in place (W8A8), measure every planned layer and
     choose. Returns the config to quantize with, the smoothing (for the checkpoint's tensors) and
     the report."""
-    from .embedding import GATHER
-    from .quantizer import ModelQuantizer, _shared_parameter_names
-
     ids = token_batch(cal.data, tokenizer, cal.max_tokens, cal.seq_len)
     check_ids(model, ids)
     with warnings.catch_warnings():       # the quantizer warns again when it quantizes
         warnings.simplefilter("ignore")
-        planned = ModelQuantizer(config).plan(model, tied, on_tpu)
+        planned = decide(config, model, tied, on_tpu)
     # Linears only: tables have no input to measure, and expert projections (quantized
     # weight-only, quantization/experts.py) are not modules calibration can hook one by one.
     decisions = {n: d for n, d in planned.layers.items() if d.backend != GATHER and not d.experts}
@@ -254,7 +253,7 @@ def run(model: nn.Module, cal: CalibrationConfig, config: QuantizationConfig, to
     smoothing = None
     if cal.smooth and config.quantize_activation:
         tied = tied or {}
-        tied_names = set(tied) | set(tied.values()) | _shared_parameter_names(model)
+        tied_names = set(tied) | set(tied.values()) | shared_parameter_names(model)
         smoothing = plan_smoothing(model, calibration, {n for n, d in decisions.items()
                                                         if d.activation_quant}, cal.alpha, tied_names)
         apply_smoothing(model, smoothing)

@@ -15,7 +15,7 @@ from AutoXLA.testing.architectures import save_checkpoint
 from AutoXLA.loading import checkpoint as ckpt
 from AutoXLA.loading import streaming
 from AutoXLA.loading.converted import compose
-from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.modeling.from_config import plan_from_config
 from AutoXLA.sharding import hosts
 from AutoXLA.sharding.hosts import Host
 from AutoXLA.sharding.mesh import AXES, mesh_shape_for

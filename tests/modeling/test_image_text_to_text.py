@@ -88,7 +88,7 @@ def mistral3_2d_splash(image_text_checkpoints, xla_devices):
 
 def test_plan_shards_the_vision_tower_by_its_own_heads(image_text_checkpoints, capsys):
     from AutoXLA.cli import main
-    from AutoXLA.planning.from_config import plan_from_config
+    from AutoXLA.modeling.from_config import plan_from_config
 
     plan = plan_from_config(image_text_checkpoints["mistral3"], "mp")    # model axis 8
     assert plan.model_class == "Mistral3ForConditionalGeneration"

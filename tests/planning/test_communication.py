@@ -3,7 +3,7 @@ and bytes each strategy's rules give, on the tiny llama (2 layers, hidden 64, 4 
 import pytest
 
 from AutoXLA import cli
-from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.modeling.from_config import plan_from_config
 from AutoXLA.planning.communication import communication
 
 BATCH, SEQ = 8, 16

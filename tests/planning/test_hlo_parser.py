@@ -1,5 +1,5 @@
-"""The HLO text parser (planning/measure.py) on small literal modules."""
-from AutoXLA.planning.measure import buffer_stats, collectives, count_by_kind
+"""The HLO text parser (planning/hlo.py) on small literal modules."""
+from AutoXLA.planning.hlo import buffer_stats, collectives, count_by_kind
 
 MODULE = """
 HloModule step, entry_computation_layout={(f32[8,64]{1,0})->f32[64,64]{1,0}}

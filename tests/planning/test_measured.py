@@ -4,9 +4,10 @@ mistake shows up as collectives the plan did not predict. Each compile runs in a
 (XLA reads its dump flags once per process)."""
 import pytest
 
-from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.modeling.from_config import plan_from_config
 from AutoXLA.planning.communication import communication
-from AutoXLA.planning.measure import compare, measure_step
+from AutoXLA.evaluation.measure import measure_step
+from AutoXLA.planning.hlo import compare
 
 BATCH, SEQ = 8, 16
 # Bytes per step measured vs forecast: the issue's goal. Measured 1124.0 against 1156.3 KiB
@@ -71,7 +72,7 @@ def test_the_kv_cache_generation_passes_is_the_plans(checkpoints, xla_devices, t
     # generate as users run it (scanned stack, static cache), 2d: the cache is split over fsdp
     # (batch) and model (kv heads). Among the decode step's entry parameters, the stacked K and
     # V are the plan's shard shape, and together exactly plan.kv_cache's bytes per device.
-    from AutoXLA.planning.measure import measure_generation
+    from AutoXLA.evaluation.measure import measure_generation
 
     g = measure_generation(checkpoints["llama"], "2d", batch=BATCH, prompt=SEQ,
                            dump_dir=tmp_path)

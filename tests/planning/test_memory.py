@@ -5,7 +5,7 @@ import transformers
 
 from AutoXLA.cli import main
 
-from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.modeling.from_config import plan_from_config
 from AutoXLA.planning.memory import (InferenceSetup, LayerShape, TrainingSetup,
                                      inference_forecast, layer_saved_bytes_per_token,
                                      training_forecast)

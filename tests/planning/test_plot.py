@@ -9,7 +9,7 @@ import pytest
 
 from AutoXLA.cli import main
 
-from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.modeling.from_config import plan_from_config
 from AutoXLA.planning import plot
 from AutoXLA.planning.memory import TrainingSetup, training_forecast
 from AutoXLA.planning.topology import topology

@@ -82,7 +82,7 @@ _MOE = [("Qwen/Qwen3-30B-A3B", 128, 2), ("deepseek-ai/DeepSeek-V3", 256, 4),
 @pytest.mark.parametrize("hub_id,experts,per_device", _MOE)
 def test_mixture_of_experts_forecast_offline(hub_id, experts, per_device):
     from AutoXLA.planning.communication import communication
-    from AutoXLA.planning.from_config import plan_from_config
+    from AutoXLA.modeling.from_config import plan_from_config
     import dataclasses
 
     from AutoXLA.modeling.empty import load_config
@@ -114,7 +114,7 @@ def test_quantized_experts_forecast_offline():
     # split by expert, and the forecast still moves tokens to them rather than their weights.
     from AutoXLA.modeling.empty import load_config
     from AutoXLA.planning.communication import communication
-    from AutoXLA.planning.from_config import plan_from_config
+    from AutoXLA.modeling.from_config import plan_from_config
     from AutoXLA.quantization import QuantizationConfig
 
     path = shipped_config_dir("Qwen/Qwen3-30B-A3B")

@@ -202,7 +202,7 @@ def test_xla_op_equals_fallback_with_a_float_offset():
 def test_the_plan_says_where_each_pallas_layer_has_tuned_tiles():
     # Llama-3.1-8B W8A8 in bf16: the plan repeats torch_xla's table per Pallas layer (the
     # generations with tuned tiles; on the others a TPU takes the next backend).
-    from AutoXLA.planning.from_config import plan_from_config
+    from AutoXLA.modeling.from_config import plan_from_config
     from AutoXLA.quantization import pallas_tiles
 
     path = "AutoXLA/data/model_configs/meta-llama--Llama-3.1-8B"

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from AutoXLA import cli
-from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.modeling.from_config import plan_from_config
 from AutoXLA.sharding import mesh
 
 BASE = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

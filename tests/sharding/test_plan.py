@@ -7,7 +7,7 @@ import pytest
 
 from AutoXLA.cli import main
 
-from AutoXLA.planning.from_config import plan_from_config
+from AutoXLA.modeling.from_config import plan_from_config
 
 
 def test_roles_and_specs_follow_the_megatron_convention(checkpoints):

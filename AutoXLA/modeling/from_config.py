@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import os
 
+import torch
+from transformers import PretrainedConfig
+from transformers.initialization import no_init_weights
+
+from ..loading.checkpoint import require_path_or_hub_id
+from ..planning.model_configs import shipped_config_dir
+from ..sharding.mesh import mesh_shape_for, normalize_strategy
+from ..sharding.plan import build_plan
+from .causal import causal_or_image_text_class
+from .empty import load_config
+from .pipeline import empty_model, pick_auto_class, quantize_on_meta
+from .segmentation import auto_classes
+
 # The dtype names the command line accepts, to torch's names.
 DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                "float16": "float16", "half": "float16", "fp32": "float32", "float32": "float32",
@@ -18,8 +31,6 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
     model (modeling/causal.py) if transformers has one for the config, else the first
     segmentation auto class (in the seed's order) that knows it.
     """
-    from ..sharding.mesh import mesh_shape_for, normalize_strategy
-
     strategy = normalize_strategy(strategy)
     r, config = meta_model(path_or_config, dtype, quantization_config, on_tpu)
     return plan_for_mesh(r, config, strategy, mesh_shape_for(strategy, devices), scan_layers)
@@ -28,17 +39,6 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
 def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: bool = True):
     """(the model built on the meta device, quantized as asked; its config). A hub id that
     AutoXLA ships the config of (planning/model_configs.py) is read offline."""
-    import torch
-    from transformers import PretrainedConfig
-    from transformers.initialization import no_init_weights
-
-    from ..loading.checkpoint import require_path_or_hub_id
-    from ..modeling.causal import causal_or_image_text_class
-    from ..modeling.empty import load_config
-    from ..modeling.pipeline import empty_model, pick_auto_class, quantize_on_meta
-    from ..modeling.segmentation import auto_classes
-    from .model_configs import shipped_config_dir
-
     if isinstance(path_or_config, PretrainedConfig):
         config = path_or_config
     else:
@@ -65,6 +65,4 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
 
 def plan_for_mesh(r, config, strategy: str, mesh, scan_layers: bool = True):
     """The Plan of ``meta_model``'s model on ``mesh`` (one model serves many meshes)."""
-    from ..sharding.plan import build_plan
-
     return build_plan(r.model, config, mesh, strategy, r.dtype, r.tied, scan_layers=scan_layers)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import backend
-from ..sharding import rules
+from . import backend
+from .sharding import rules
 
 NAME = "autoxla_experts"
 
