@@ -18,8 +18,10 @@ import threading
 import numpy as np
 import torch
 
+from .module_swap import repointing_references
 from .sharding.hosts import Host
 from .sharding.mesh import AXES, MeshShape, canonical_device_ids, validate_mesh_axes
+from .sharding.multislice import device_order
 
 
 # Virtual XLA:CPU devices share this host's cores and memory: more than this is a typo.
@@ -202,7 +204,6 @@ def make_mesh(shape: MeshShape, multislice=None):
         raise ValueError(f"mesh {shape} needs {shape.num_devices} devices, the runtime has {n}")
     if multislice is None or multislice.slices == 1:
         return xs.Mesh(np.arange(n), shape.sizes, AXES)
-    from .sharding.multislice import device_order
 
     ici, dcn = multislice.split(shape)
     if on_tpu():
@@ -242,8 +243,6 @@ def patch_linear_for_spmd(model) -> None:
     shares the name and patches the backward for FSDPv1 (TORCH_XLA_NOTES.md)."""
     _xla()
     from torch_xla.distributed.spmd.xla_sharding import apply_xla_patch_to_nn_linear
-
-    from .module_swap import repointing_references
 
     with repointing_references(model):
         apply_xla_patch_to_nn_linear(model)

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import saving
 from .modeling.empty import parameters_on_meta
+from .quantization import ModelQuantizer
 from .quantization.packing import dequantize as dequantize_weight
 
 __all__ = ["prepare_model_for_checkpoint"]
@@ -94,8 +95,6 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 def _quantize_like(plain: nn.Module, report) -> None:
     """The same layers quantized as in the loaded model (empty, on meta: the loaded model's
     quantized tensors fill them), with a CPU backend."""
-    from .quantization import ModelQuantizer
-
     tied = plain.get_expanded_tied_weights_keys(all_submodels=True)
     ModelQuantizer(report.config).quantize_model(plain, tied=tied, on_tpu=False)
     chosen = set(plain.autoxla_quantization.layers)

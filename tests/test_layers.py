@@ -1,6 +1,7 @@
 """The package's import structure, as pyproject.toml's import-linter contracts declare it: a room
 imports only rooms below it in the layer order, and no import cycle, among rooms or among the
 modules of one (docs/architecture.md says why the order is what it is)."""
+import ast
 import os
 import subprocess
 import sys
@@ -10,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_contracts_are_kept():
+    config = (ROOT / "pyproject.toml").read_text()
+    assert "ignore_imports" not in config, "the contracts list no exceptions (docs/architecture.md)"
     lint = Path(sys.executable).with_name("lint-imports")
     out = subprocess.run([str(lint), "--config", str(ROOT / "pyproject.toml"), "--no-cache"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -22,3 +25,22 @@ def test_the_package_root_stays_small():
     """At most six modules at AutoXLA/'s root: everything else lives in a room by its role."""
     modules = sorted(p.name for p in (ROOT / "AutoXLA").glob("*.py"))
     assert len(modules) <= 6, modules
+
+
+def test_the_package_imports_itself_at_module_level():
+    """No import of AutoXLA's own modules inside a function: where a reader looks for a module's
+    dependencies, and no lazy import left to hide a cycle (import-linter would see one anyway)."""
+    inside = []
+    for path in sorted((ROOT / "AutoXLA").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (
+                        node.level or (node.module or "").split(".")[0] == "AutoXLA"):
+                    inside.append(f"{path.relative_to(ROOT)}:{node.lineno} {fn.name}")
+                elif isinstance(node, ast.Import) and any(
+                        a.name.split(".")[0] == "AutoXLA" for a in node.names):
+                    inside.append(f"{path.relative_to(ROOT)}:{node.lineno} {fn.name}")
+    assert not inside, inside

@@ -13,6 +13,8 @@ import json
 from dataclasses import InitVar, dataclass
 from typing import Any
 
+from ..sharding.mesh import canonical_device_ids, validate_mesh_axes
+
 IMPLEMENTATIONS = ("eager", "xla_flash_attention", "splash_attention")
 KERNELS = IMPLEMENTATIONS[1:]
 # The names the kernels are registered under in transformers. transformers treats any name that
@@ -191,8 +193,6 @@ def _mesh_key(text: str):
     ``("fsdp", "model")``) describes the same mesh as its three-axis form; or a ValueError
     saying how to make one."""
     import ast
-
-    from ..sharding.mesh import canonical_device_ids, validate_mesh_axes
 
     try:
         d = ast.literal_eval(text.replace("Mesh", "", 1))

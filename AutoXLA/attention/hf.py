@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from .. import backend
+from . import tpu
 from .blockwise import blockwise_attention
 from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
 
@@ -154,8 +156,6 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
         else:
             dense = _narrow_to_window(dense, layer.config.window(None))
 
-    from .. import backend
-
     if structured and backend.runs_pallas() and layer.mesh is not None:
         out = _on_tpu(layer, query, key, value, scale, window, softcap, segments)
         if out is not None:
@@ -191,8 +191,6 @@ def _narrow_to_window(mask: torch.Tensor, window: int) -> torch.Tensor:
 def _on_tpu(layer, query, key, value, scale, window, softcap, segments):
     """The Pallas kernel for this call, or None (with one warning per reason) when it cannot
     express the call and the portable path must run instead."""
-    from . import tpu
-
     if layer.kernel == "splash_attention":
         return tpu.run_splash(tpu.splash_arguments(
             query, key, value, scale=scale, window=window, softcap=softcap,

@@ -11,6 +11,11 @@ import warnings
 
 import torch
 
+from .. import backend
+from ..modeling import AutoXLAModelForCausalLM
+from ..quantization import QuantizationConfig
+from ..testing.real_model import chat_prompt, smollm2_checkpoint
+
 PROMPT = "Write two sentences about the ocean."
 NEW_TOKENS = 64
 # The demo's bar for int8 per-channel (the tests' too, tests/quantization): logits SQNR >= 25 dB.
@@ -25,18 +30,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import backend
-
     backend.use_cpu_devices(args.devices)     # before anything touches the XLA runtime
     return 0 if run_demo(args.dir, strategy=args.strategy) else 1
 
 
 def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
-
-    from .. import backend
-    from ..modeling import AutoXLAModelForCausalLM
-    from ..testing.real_model import chat_prompt, smollm2_checkpoint
 
     t0 = time.perf_counter()
     path = smollm2_checkpoint(cache_dir)
@@ -73,9 +72,6 @@ def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
 
 
 def _splash(path, strategy, eager_tokens, ids, mask, args) -> bool:
-    from .. import backend
-    from ..modeling import AutoXLAModelForCausalLM
-
     model = AutoXLAModelForCausalLM.from_pretrained(
         path, sharding_strategy=strategy, attn_implementation="splash_attention",
         attention_config={"sa_block_q": 16, "sa_block_kv": 16})   # several blocks, some skipped
@@ -88,10 +84,6 @@ def _splash(path, strategy, eager_tokens, ids, mask, args) -> bool:
 
 
 def _quantized(path, strategy, reference, tokenizer, ids, mask, args) -> bool:
-    from .. import backend
-    from ..modeling import AutoXLAModelForCausalLM
-    from ..quantization import QuantizationConfig
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # use_pallas off a TPU: reported in the summary below
         model = AutoXLAModelForCausalLM.from_pretrained(

@@ -13,6 +13,14 @@ import subprocess
 import sys
 import tempfile
 
+from .. import __version__, _native
+from ..attention import tpu
+from ..attention.config import AttentionConfig
+from ..generation import compile_cache as cc
+from ..modeling.empty import load_config
+from ..sharding.mesh import mesh_shape_for, normalize_strategy
+from . import selftest
+
 _TIMEOUT = 180
 _DEVICES = r"""
 import json, os
@@ -35,8 +43,6 @@ print(json.dumps(out))
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
-
     out = {"python": sys.version.split()[0], "AutoXLA": __version__}
     for name in ("torch", "torch_xla", "transformers", "safetensors", "jax"):
         try:
@@ -47,8 +53,6 @@ def versions() -> dict:
 
 
 def native() -> dict:
-    from .. import _native
-
     try:
         _native._get_lib()
     except _native.NativeError as e:
@@ -80,8 +84,6 @@ def devices(timeout: float = _TIMEOUT) -> dict:
 
 
 def compile_cache(directory: str | None) -> dict:
-    from ..generation import compile_cache as cc
-
     directory = directory or os.environ.get(cc.ENV)
     scratch = None
     if directory is None:          # a throwaway directory: the runtime's answer, nothing kept
@@ -138,11 +140,6 @@ def attention(path, seq_len: int | None = None, batch: int | None = None,
     """For each decoder layer of the checkpoint's config: can xla_flash_attention and
     splash_attention take it on a TPU, and if not, why (the checks attention/hf.py makes before
     calling a kernel; the portable path runs instead)."""
-    from ..attention import tpu
-    from ..attention.config import AttentionConfig
-    from ..modeling.empty import load_config
-    from ..sharding.mesh import mesh_shape_for, normalize_strategy
-
     config = load_config(os.fspath(path))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     cfg = AttentionConfig.from_any(attention_config) if attention_config else AttentionConfig()
@@ -267,8 +264,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     if args.selftest:
-        from . import selftest
-
         where, checks = selftest.run()
         if args.json:
             print(json.dumps({"where": where, "checks": [dict(vars(c), ok=c.ok) for c in checks]},

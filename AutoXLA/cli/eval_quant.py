@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 
+from .. import backend
+from ..evaluation import evaluate
+from ..evaluation.formats import FORMATS, SETS, bits_formats, parse_formats
+from ..evaluation.perplexity import read_text
+
 
 def add_arguments(p) -> None:
-    from ..evaluation.formats import SETS
-
     p.add_argument("path", nargs="?", help="local checkpoint directory (config.json, "
                    "safetensors, tokenizer)")
     p.add_argument("--formats", default=None,
@@ -34,8 +37,6 @@ def add_arguments(p) -> None:
 
 def formats_from(args) -> list:
     """The formats --formats and --bits name (validated before anything is loaded)."""
-    from ..evaluation.formats import bits_formats, parse_formats
-
     out = []
     if args.formats is not None:
         out += parse_formats(args.formats)
@@ -47,8 +48,6 @@ def formats_from(args) -> list:
 
 
 def list_formats() -> str:
-    from ..evaluation.formats import FORMATS, SETS
-
     width = max(map(len, FORMATS))
     lines = [f"{f.name.ljust(width)}  {f.kind:9s}  {f.about}" for f in FORMATS.values()]
     lines += [f"set {name}: {','.join(names)}" for name, names in SETS.items()]
@@ -76,13 +75,9 @@ def run(args) -> int:
                                 "directory saved by save_pretrained (config.json and safetensors "
                                 "weights)")
     if args.text is not None:
-        from ..evaluation.perplexity import read_text
-
         read_text(args.text)                 # a bad file is reported before any model loads
-    from .. import backend
 
     backend.use_cpu_devices(args.devices)
-    from ..evaluation import evaluate
 
     ev = evaluate(args.path, formats, text_file=args.text, strategy=args.strategy,
                   max_tokens=args.max_tokens, window=args.window,

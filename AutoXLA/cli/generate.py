@@ -9,6 +9,14 @@ from __future__ import annotations
 import os
 import time
 
+from .. import backend
+from ..loading.checkpoint import require_path_or_hub_id
+from ..modeling import AutoXLAModelForCausalLM
+from ..modeling.from_config import DTYPE_NAMES as dtypes
+from ..quantization import QuantizationConfig
+from ..sharding.hosts import SIMULATE_ENV
+from ..testing.real_model import chat_prompt
+
 
 def add_arguments(p) -> None:
     p.add_argument("path", help="checkpoint directory (safetensors + config + tokenizer)")
@@ -32,11 +40,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import backend
-    from ..modeling.from_config import DTYPE_NAMES as dtypes
-    from ..loading.checkpoint import require_path_or_hub_id
-    from ..sharding.hosts import SIMULATE_ENV
-
     backend.use_cpu_devices(args.devices)
     require_path_or_hub_id(args.path)
     if os.environ.get(SIMULATE_ENV):
@@ -48,10 +51,6 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: ask for at least 1")
     from transformers import AutoTokenizer, TextStreamer
-
-    from ..modeling import AutoXLAModelForCausalLM
-    from ..quantization import QuantizationConfig
-    from ..testing.real_model import chat_prompt
 
     dtype = "auto" if args.dtype == "auto" else dtypes.get(args.dtype.lower())
     if dtype is None:

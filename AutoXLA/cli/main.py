@@ -7,6 +7,7 @@ import os
 import sys
 
 from . import demo, doctor, eval_quant, generate, plan, quantize
+from . import __doc__ as usage
 
 # The verbs, in --help's order: (name, one-line help, module with add_arguments(p) and run(args)).
 VERBS = [
@@ -66,8 +67,6 @@ def _one_line(e: BaseException) -> str:
 
 
 def _main(argv) -> int:
-    from . import __doc__ as usage
-
     parser = _Parser(prog="autoxla", description=usage,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

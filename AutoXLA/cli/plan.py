@@ -10,10 +10,15 @@ from __future__ import annotations
 import json
 import sys
 
-from ..planning import request as forecast_request
 from ..modeling.from_config import meta_model, plan_for_mesh
+from ..planning import plot
+from ..planning import request as forecast_request
+from ..planning.communication import communication
 from ..planning.memory import OPTIMIZERS
 from ..planning.plot import FORMATS
+from ..quantization import QuantizationConfig
+from ..sharding.mesh import mesh_shape_for, normalize_strategy
+from ..sharding.multislice import MultiSlice
 
 
 def add_arguments(p) -> None:
@@ -63,8 +68,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..sharding.mesh import mesh_shape_for, normalize_strategy
-
     qcfg = _quantization(args)
     req = forecast_request.request(args)       # every flag checked before a model is built
     strategy = normalize_strategy(args.strategy)
@@ -96,8 +99,6 @@ def run(args) -> int:
 def _multislice(args, mesh):
     """The MultiSlice of --slices / --dcn-axes, checked against the mesh now (before a model is
     built), or None for one slice."""
-    from ..sharding.multislice import MultiSlice
-
     if args.slices == 1:
         return None
     slices = MultiSlice(args.slices, tuple(a.strip() for a in args.dcn_axes.split(",")))
@@ -107,8 +108,6 @@ def _multislice(args, mesh):
 
 def _quantization(args):
     if args.bits is not None:
-        from ..quantization import QuantizationConfig
-
         return QuantizationConfig(n_bits=args.bits, block_size=args.block_size,
                                   symmetric=not args.asym)
     if args.block_size is not None or args.asym:
@@ -137,7 +136,6 @@ def _communication(plan, args):
     if args.batch is None or (args.seq is None and args.max_len is None):
         raise ValueError("--comm needs --batch B and --seq S (a training step) or --batch B and "
                          "--max-len L (a decode step)")
-    from ..planning.communication import communication
 
     if args.seq is not None:
         return communication(plan, batch=args.batch, seq=args.seq, train=True)
@@ -164,8 +162,6 @@ def _as_dict(plan, kv, comm, req, fc, ranking) -> dict:
 
 
 def _plot(path, req, plan, strategy, mesh, fc, ranking) -> None:
-    from ..planning import plot
-
     def label(s, m):
         return f"{s}\n{'x'.join(map(str, m.sizes))}"
     if ranking is not None:      # best first, as printed

@@ -2,6 +2,10 @@
 devices (modeling/offline.py); DST then loads as it is, never quantized again."""
 from __future__ import annotations
 
+from ..modeling.from_config import DTYPE_NAMES as dtypes
+from ..modeling.offline import quantize_checkpoint
+from ..quantization import QuantizationConfig
+
 
 def add_arguments(p) -> None:
     p.add_argument("src", help="float checkpoint directory (config.json and safetensors weights)")
@@ -35,8 +39,6 @@ def add_arguments(p) -> None:
 
 
 def config_from(args):
-    from ..quantization import QuantizationConfig
-
     if args.zero_point is not None and not args.asym:
         raise ValueError("--zero-point describes an asymmetric format: add --asym")
     kw = dict(n_bits=args.bits, block_size=args.block_size, symmetric=not args.asym,
@@ -54,9 +56,6 @@ def run(args) -> int:
     import time
 
     import torch
-
-    from ..modeling.from_config import DTYPE_NAMES as dtypes
-    from ..modeling.offline import quantize_checkpoint
 
     config = config_from(args)
     dtype = "auto"

@@ -19,6 +19,13 @@ import time
 
 import torch
 
+from .. import backend
+from ..attention import tpu
+from ..kernels import interpret
+from ..modeling import AutoXLAModelForCausalLM
+from ..quantization import QuantizationConfig
+from ..testing.tiny import save_tiny_checkpoint
+
 
 @dataclasses.dataclass
 class Check:
@@ -49,13 +56,6 @@ def _counting(module, name: str, counter: list):
 
 def run() -> tuple[str, list[Check]]:
     """(where the kernels ran, one Check per path)."""
-    from .. import backend
-    from ..attention import tpu
-    from ..kernels import interpret
-    from ..modeling import AutoXLAModelForCausalLM
-    from ..quantization import QuantizationConfig
-    from ..testing.tiny import save_tiny_checkpoint
-
     backend.ensure_spmd()
     if backend.on_tpu():
         where = f"TPU v{backend.tpu_generation()} (real Pallas kernels)"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..quantization import QuantizationConfig
+
 FLOAT, AUTOXLA, LLAMA_CPP = "float", "autoxla", "llama.cpp"
 
 
@@ -31,8 +33,6 @@ class Format:
         """AUTOXLA: the config to load with. LLAMA_CPP: the config whose plan picks the linears
         to quantize (its bits do not matter: only which layers, exclude_layers and
         quantize_lm_head decide that)."""
-        from ..quantization import QuantizationConfig
-
         return QuantizationConfig(**{"bits": 8, **self.config})
 
 

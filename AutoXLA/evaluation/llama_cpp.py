@@ -14,6 +14,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..loading import checkpoint as ckpt
+from ..modeling.empty import load_config
+from ..modeling.pipeline import empty_model
+from ..quantization import ModelQuantizer
+
 _PIN = "gguf==0.19.0"
 
 
@@ -47,10 +52,6 @@ def gguf_type(name: str):
 def quantized_layers(path, fmt, auto_class):
     """(module names of the linears AutoXLA would quantize in the checkpoint at ``path``, the
     empty model they were chosen from)."""
-    from ..modeling.empty import load_config
-    from ..modeling.pipeline import empty_model
-    from ..quantization import ModelQuantizer
-
     r = empty_model(load_config(str(path)), auto_class)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")    # e.g. W8A8 notes, irrelevant to choosing layers
@@ -68,8 +69,6 @@ def reference_checkpoint(path, fmt, auto_class):
     from gguf.quants import dequantize, quantize
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from ..loading import checkpoint as ckpt
 
     qtype = gguf_type(fmt.gguf_type)
     block, _ = GGML_QUANT_SIZES[qtype]

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import backend
+
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "eval_text.txt"
 DEFAULT_WINDOW = 512
 
@@ -73,8 +75,6 @@ def negative_log_likelihood(model, windows: Windows) -> float:
     model's device in float32, only the per-token NLL comes back."""
     import torch
     import torch.nn.functional as F
-
-    from .. import backend
 
     dev = backend.device()
     total = 0.0

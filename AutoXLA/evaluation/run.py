@@ -13,7 +13,14 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-from .formats import AUTOXLA, FLOAT, FORMATS, LLAMA_CPP, Format
+from ..modeling import AutoXLAModelForCausalLM, AutoXLAModelForImageSegmentation
+from ..modeling.causal import causal_or_image_text_class
+from ..modeling.empty import load_config
+from ..modeling.segmentation import auto_classes
+from . import vision
+from .formats import AUTOXLA, FLOAT, FORMATS, LLAMA_CPP, Format, parse_formats
+from .llama_cpp import gguf_type, reference_checkpoint
+from .perplexity import DEFAULT_WINDOW, perplexity, read_text, token_windows
 
 CAUSAL, VISION = "causal", "vision"
 
@@ -87,10 +94,6 @@ class Evaluation:
 def model_kind(config) -> tuple[str, object]:
     """(CAUSAL or VISION, the auto class from_pretrained builds it with), or an error naming
     the model. VISION: the segmentation families with a fixed input (evaluation/vision.py)."""
-    from ..modeling.causal import causal_or_image_text_class
-    from ..modeling.segmentation import auto_classes
-    from . import vision
-
     auto = causal_or_image_text_class(config)
     if auto is not None:
         return CAUSAL, auto
@@ -105,8 +108,6 @@ def model_kind(config) -> tuple[str, object]:
 
 
 def _load(path, kind: str, fmt: Format, strategy: str):
-    from ..modeling import AutoXLAModelForCausalLM, AutoXLAModelForImageSegmentation
-
     cls = AutoXLAModelForCausalLM if kind == CAUSAL else AutoXLAModelForImageSegmentation
     quant = fmt.kind == AUTOXLA
     return cls.from_pretrained(str(path), sharding_strategy=strategy, do_quant=quant,
@@ -141,12 +142,6 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
     perplexities alone, no ratios), which a test comparing formats with each other can afford.
     ``keep_going=True``: a format that cannot be built or run for this model is a row marked
     failed (its error in the notes) instead of an exception, for long runs such as the bench."""
-    from ..modeling.empty import load_config
-    from . import vision
-    from .formats import parse_formats
-    from .llama_cpp import gguf_type
-    from .perplexity import DEFAULT_WINDOW, read_text, token_windows
-
     log = log or (lambda _msg: None)
     if isinstance(formats, (str, Format)):
         formats = [formats]
@@ -203,10 +198,6 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
 def _one(path, kind, fmt, strategy, auto_class, windows, vision_input, base) -> Result:
     """Build, load and measure one format. ``base``: the float model's perplexity or outputs
     (None for the float model itself, or without a reference)."""
-    from . import vision
-    from .llama_cpp import reference_checkpoint
-    from .perplexity import perplexity
-
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

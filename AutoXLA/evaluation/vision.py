@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from .. import backend
 from ..testing import tiny_vision
 
 
@@ -49,8 +50,6 @@ def fixed_inputs(config) -> tuple[str, dict]:
 
 def outputs(model, family: str, inputs: dict) -> dict:
     import torch
-
-    from .. import backend
 
     dev = backend.device()
     with torch.no_grad():

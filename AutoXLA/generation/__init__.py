@@ -1,5 +1,6 @@
 """Generation with fixed shapes (docs/generation.md): static KV cache, bucketed shapes, sampling
 on the device, a persistent compilation cache and ahead-of-time warm-up."""
+from ..saving import unwrap
 from .buckets import GenerationOptions
 from .loop import generate
 from .warmup import WarmupReport, warm_up
@@ -10,8 +11,6 @@ __all__ = ["GenerationOptions", "WarmupReport", "attach", "generate", "warm_up"]
 def attach(model, options=None):
     """Give ``model`` (and the transformers model inside a wrapper) AutoXLA's generate."""
     import functools
-
-    from ..saving import unwrap
 
     model.autoxla_generation = GenerationOptions.from_any(options)
     bound = functools.partial(generate, model)

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import backend
-from .buckets import GenerationOptions
+from ..saving import unwrap
 from . import validate
+from .buckets import GenerationOptions
 from .cache import allocate
 from .request import build_request
 from .steps import Steps, replicated
@@ -106,8 +107,6 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
              streamer=None, seed=None, _stop_after: int | None = None, **kwargs) -> torch.Tensor:
     """Greedy or sampled generation with transformers' keywords; returns prompt + new tokens
     (pad after a row's EOS) on the prompt's device, like transformers' generate."""
-    from ..saving import unwrap
-
     hf = unwrap(model)
     raw = input_ids if input_ids is not None else inputs
     ids = validate.check_ids(raw, validate.vocab_size(hf))
@@ -222,8 +221,6 @@ def _trim(new: torch.Tensor, eos_ids) -> torch.Tensor:
 def _logits_kwargs(model) -> dict:
     """Ask only for the last position's logits where the model supports it (prefill then runs
     the head on one position, not the whole prompt)."""
-    from ..saving import unwrap
-
     params = inspect.signature(unwrap(model).forward).parameters
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 

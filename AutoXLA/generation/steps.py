@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import backend
+from ..saving import unwrap
 from .cache import pin, write_prompt
 from .sampling import Sampler, next_tokens
 from .stacked_cache import StackedStaticCache
@@ -50,8 +51,6 @@ class Steps:
     """One generate call's prefill and decode steps, bound to its model, request and cache."""
 
     def __init__(self, model, request, cache, kv, mesh, keep: dict, device, once: bool = True):
-        from ..saving import unwrap
-
         self.model, self.cache, self.kv, self.mesh, self.keep = model, cache, kv, mesh, keep
         self.do_sample = request.do_sample
         self.top_k = request.top_k if request.do_sample else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import backend
+from .buckets import GenerationOptions
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,6 @@ def warm_up(model, batch_sizes=(1,), prompt_lengths=(16,), max_new_tokens: int =
     with the sampling settings of ``generate_kwargs`` (greedy by default): each compiles its
     prefill and decode programs, which every later request in those buckets reuses."""
     from tqdm.auto import tqdm
-
-    from .buckets import GenerationOptions
 
     options = GenerationOptions.from_any(model.autoxla_generation)
     shapes = sorted({(options.batch_bucket(b), options.prompt_bucket(p)) for b in batch_sizes

@@ -28,6 +28,8 @@ import importlib.util
 
 import torch
 
+from .. import backend
+
 PINNED = {"jax": "0.7.1", "jaxlib": "0.7.1"}   # what torch_xla 2.9.0's `pallas` extra pins
 
 
@@ -42,16 +44,12 @@ def missing() -> str | None:
 
 
 def enabled() -> bool:
-    from .. import backend
-
     return backend.emulating_tpu_kernels()
 
 
 def enable() -> None:
     """Switches this process to the emulated TPU kernels; idempotent. Call after torch_xla has
     its devices (``backend.ensure_spmd()``) and before anything imports jax."""
-    from .. import backend
-
     if backend.emulating_tpu_kernels():
         return
     why = missing()

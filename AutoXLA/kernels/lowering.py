@@ -21,6 +21,12 @@ import contextlib
 import dataclasses
 import functools
 
+from .. import backend
+from ..attention import AttentionConfig, tpu
+from ..attention.tpu import splash_json
+from ..modeling.empty import load_config
+from . import interpret
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionCall:
@@ -80,8 +86,6 @@ def lower_attention(call: AttentionCall, cfg=None, blocks: dict | None = None) -
     import jax
     import jax.numpy as jnp
 
-    from ..attention import AttentionConfig, tpu
-
     cfg = cfg or AttentionConfig()
     try:
         if call.kernel == "xla_flash_attention":
@@ -124,7 +128,6 @@ def _lower_splash(call: AttentionCall, cfg, length: int) -> None:
         cfg.with_mesh(mesh), qkv_partition_spec=(("data", "fsdp"), None, None, None),
         attentiontype_local_sliding=call.window is not None,
         slide_window_size=None if call.window is None else call.window - 1)
-    from ..attention.tpu import splash_json
 
     config = SplashAttentionConfig.from_json(splash_json(layer_cfg))
     q = jax.ShapeDtypeStruct((call.batch * n, call.heads, length, call.head_dim), jnp.bfloat16)
@@ -161,8 +164,6 @@ def lower_quantized_matmul(tokens: int, out_features: int, in_features: int, til
 def attention_calls(config, seq_lens) -> list[AttentionCall]:
     """The distinct attention calls a transformers ``config`` makes at these lengths, for both
     kernels (flash only where it takes the layer: no window, no soft-cap)."""
-    from ..attention import tpu
-
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -196,8 +197,6 @@ def shipped_decoders() -> dict[str, object]:
     """name -> config of the shipped planning configs whose attention both kernels could take
     (one head size for queries, keys and values: not DeepSeek-V3's multi-head latent attention)."""
     import os
-
-    from ..modeling.empty import load_config
 
     root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "model_configs")
     out = {}
@@ -242,9 +241,6 @@ def check_shipped(seq_lens=SEQ_LENS) -> list[tuple[str, AttentionCall, int | str
 
 def main() -> None:
     """Prints the lowering table of docs/attention.md (./run emulated -m AutoXLA.kernels.lowering)."""
-    from .. import backend
-    from . import interpret
-
     backend.ensure_spmd()
     interpret.enable()
     rows: dict[tuple, dict[str, list[str]]] = {}

@@ -22,6 +22,7 @@ import torch
 
 from ..sharding import hosts
 from .checkpoint import TensorRecord
+from .streaming import shard_grid_tensors
 
 # The converter operations whose result is a placement of whole pieces (no arithmetic).
 _SUPPORTED = {("MergeModulelist", 0), ("Concatenate", 1)}
@@ -66,8 +67,6 @@ class Composite:
         """device -> its shard of the target for the devices ``host`` addresses, and the bytes
         read. Each piece is read (and converted to ``dtype`` by the C core) only if one of those
         shards needs it, then its overlap with each shard is copied in place."""
-        from .streaming import shard_grid_tensors
-
         def read(record):
             return {"": shard_grid_tensors(record, (1,) * len(record.shape), dtype)[0]}
 

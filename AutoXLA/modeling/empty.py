@@ -13,6 +13,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..loading.checkpoint import CheckpointError
+from ..saving import CONFIG, interrupted_save
+
 # Sizes a config sets that every tensor shape is made of. transformers does not check them: a zero
 # divides by zero, a negative one fails deep inside torch, a bool or float slips through as a size.
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -33,8 +36,6 @@ def load_config(path, **kwargs):
         from huggingface_hub.errors import StrictDataclassError   # transformers' field checks
     except ImportError:          # pragma: no cover - older huggingface_hub
         StrictDataclassError = TypeError
-    from ..loading.checkpoint import CheckpointError
-    from ..saving import CONFIG, interrupted_save
 
     if not os.path.exists(os.path.join(path, CONFIG)) and interrupted_save(path):
         raise CheckpointError(f"{path} has no {CONFIG}: a save_pretrained into it was interrupted "

@@ -17,10 +17,17 @@ from pathlib import Path
 import torch
 
 from .. import _native, saving
-from ..loading import checkpoint as ckpt
 from ..loading import execute, streaming
+from ..loading import checkpoint as ckpt
 from ..quantization.linear import stored_tensors
 from ..saving.safetensors_out import ShardWriter
+from ..sharding.decoder_stack import plan_stack
+from ..sharding.mesh import mesh_shape_for
+from ..sharding.plan import build_plan
+from .causal import causal_or_image_text_class
+from .empty import load_config
+from .pipeline import empty_model, pick_auto_class, quantize_on_meta
+from .segmentation import auto_classes
 
 # Files that are not weights or configs but make a checkpoint usable (its tokenizer): copied from
 # SRC when DST has no file of that name (never over a file of DST).
@@ -36,10 +43,6 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
 
     progress: None = a bar on a terminal only (as the loader shows), True / False = always / never.
     """
-    from .pipeline import quantize_on_meta
-    from ..sharding.mesh import mesh_shape_for
-    from ..sharding.plan import build_plan
-
     src, dst = Path(src), Path(dst)
     _check_dst(src, dst, overwrite)
     resolved = _empty_model(src, dtype)
@@ -77,8 +80,6 @@ def _saved_order(model, stored: dict) -> dict:
     shard each lands in. from_pretrained scans a repeating decoder stack (scan_layers=True, the
     default): its save writes each layer's tensors together (parameters, then buffers) where the
     stack stands (saving/pretrained.py _unstacked), where an unscanned model lists every parameter first."""
-    from ..sharding.decoder_stack import plan_stack
-
     stack = plan_stack(model, True)
     if stack is None or not stack.scanned:
         return stored
@@ -113,11 +114,6 @@ def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
 
 
 def _empty_model(src: Path, dtype):
-    from .causal import causal_or_image_text_class
-    from .empty import load_config
-    from .pipeline import empty_model, pick_auto_class
-    from .segmentation import auto_classes
-
     config = load_config(str(src))
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"SRC {src} is already quantized (its config.json has "

@@ -7,9 +7,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..sharding.mesh import normalize_strategy
-
+from ..attention import AttentionConfig
 from ..attention.config import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from ..attention.hf import warn_once
+from ..generation import GenerationOptions
+from ..quantization import CalibrationConfig, QuantizationConfig
+from ..sharding.mesh import normalize_strategy
+from ..sharding.multislice import MultiSlice
 
 
 @dataclass
@@ -74,7 +78,6 @@ class LoadOptions:
                 raise ValueError(f"dtype={self.dtype!r} is not a torch dtype; use e.g. "
                                  "torch.bfloat16, 'bfloat16' or 'auto' (the checkpoint's dtype)")
         self._validate_quantization()
-        from ..generation import GenerationOptions
 
         self.generation_options = GenerationOptions.from_any(self.generation_options)
         if self.compile_cache is not None and not isinstance(self.compile_cache, (str, os.PathLike)):
@@ -94,8 +97,6 @@ class LoadOptions:
                              "wrapper: pass use_fsdp_wrap=True as well")
 
     def _validate_multislice(self) -> None:
-        from ..sharding.multislice import MultiSlice
-
         ms = self.multislice
         if isinstance(ms, int) and not isinstance(ms, bool):
             ms = MultiSlice(ms)
@@ -109,9 +110,6 @@ class LoadOptions:
         self.multislice = ms if ms is not None and ms.slices > 1 else None
 
     def _validate_attention(self) -> None:
-        from ..attention import AttentionConfig
-        from ..attention.hf import warn_once
-
         cfg = AttentionConfig.from_any(self.attention_config)   # checked even when unused
         cfg = fold_original_attention_keywords(cfg, self.attention_layer_indices,
                                       self.attention_partition_spec)
@@ -127,8 +125,6 @@ class LoadOptions:
         self.attention_config = cfg
 
     def _validate_quantization(self) -> None:
-        from ..quantization import QuantizationConfig
-
         cfg = self.quantization_config
         if isinstance(cfg, dict):
             cfg = QuantizationConfig.from_dict(cfg)
@@ -144,7 +140,6 @@ class LoadOptions:
             cfg = QuantizationConfig()   # int8 per-channel symmetric
         self.quantization_config = cfg
         self.do_quant = cfg is not None
-        from ..quantization import CalibrationConfig
 
         self.calibration = CalibrationConfig.from_any(self.calibration)
         if self.calibration is not None and not self.do_quant:
@@ -158,8 +153,6 @@ def fold_original_attention_keywords(cfg, layer_indices, partition_spec):
     ``attention_layer_indices`` is ``layers``; ``attention_partition_spec`` is the q/k/v spec,
     given whole (4 entries) or as (batch, heads) for [batch, heads, seq, head_dim]."""
     import dataclasses
-
-    from ..attention import AttentionConfig
 
     changes = {}
     if layer_indices is not None:

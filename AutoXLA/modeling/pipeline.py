@@ -17,12 +17,15 @@ from ..attention.patch import set_decoder_attention
 from ..generation import compile_cache
 from ..loading import checkpoint as ckpt
 from ..loading.execute import load, place
+from ..quantization import ModelQuantizer, QuantizationConfig, sensitivity
+from ..sharding.decoder_stack import find_stack
 from ..sharding.mesh import mesh_shape_for
 from ..sharding.plan import Plan, build_plan
 from . import dynamic_cache
 from . import wrap as wrapping
 from .empty import check_sizes, load_config, parameters_on_meta
 from .options import LoadOptions
+from .scan import stack_decoder
 
 logger = logging.getLogger("AutoXLA")
 
@@ -163,8 +166,6 @@ def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
     differ (attention_config's layers), which the plan then records as the reason."""
     if plan.stack is None or not plan.stack.scanned:
         return
-    from ..sharding.decoder_stack import find_stack
-    from .scan import stack_decoder
 
     plan.stack = plan.stack.rechecked(find_stack(model)[1])
     if plan.stack.scanned:
@@ -178,8 +179,6 @@ def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool):
     ``requested`` is the user's QuantizationConfig or None. A checkpoint AutoXLA saved quantized
     is loaded as such: its config.json holds the format. Returns the config used, or None.
     """
-    from ..quantization import ModelQuantizer, QuantizationConfig
-
     saved = getattr(resolved.config, "quantization_config", None)
     cfg = requested
     if saved is not None:
@@ -229,8 +228,6 @@ def calibrate_float(path, auto_class, opts: LoadOptions, resolved: Resolved, che
     import dataclasses
     import gc
 
-    from ..quantization import sensitivity
-
     if getattr(resolved.config, "quantization_config", None) is not None:
         raise ValueError(f"calibration=... needs a float checkpoint, but {path} is already "
                          "quantized (its config.json has quantization_config): calibrate when "
@@ -277,7 +274,6 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
                          "ModelQuantizer(config).quantize_model(model, calibration=...), or use "
                          "from_pretrained(..., calibration=...)")
     if opts.quantization_config is not None:                                # 2a. quantize in C
-        from ..quantization import ModelQuantizer
 
         ModelQuantizer(opts.quantization_config).quantize_model(
             resolved.model, tied=resolved.tied, on_tpu=backend.pallas_target())

@@ -9,6 +9,7 @@ from torch import nn
 from .. import backend, saving
 from ..sharding import rules
 from ..sharding.mesh import AXES, MeshShape
+from .scan import StackedDecoderLayers, stack_of
 
 
 def decoder_layer_classes(model: nn.Module) -> set[type]:
@@ -84,8 +85,6 @@ def _no_cache_in_training(module, args, kwargs):
 
 
 def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
-    from .scan import StackedDecoderLayers, stack_of
-
     stack = stack_of(model)
     layer_classes = decoder_layer_classes(model)
     if stack is not None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from .memory import OPTIMIZERS, InferenceSetup, TrainingSetup, inference_forecast, \
-    training_forecast
+from ..sharding.mesh import MeshShape, mesh_shape_for
+from .communication import communication
+from .memory import OPTIMIZERS, InferenceSetup, TrainingSetup, inference_forecast, training_forecast
+from .plot import check_path
 from .topology import PRESETS, Topology, topology
 
 # Headroom kept free for what the forecast does not count (XLA temporaries, fragmentation).
@@ -81,8 +83,6 @@ def request(args) -> Request:
                              "at once and the KV cache's length")
         inference = InferenceSetup(args.batch, args.max_len)
     if args.plot is not None:
-        from .plot import check_path
-
         check_path(args.plot)
     return Request(devices if devices is not None else 8, topo, training, inference,
                    args.headroom, args.recommend, args.plot)
@@ -108,8 +108,6 @@ def mesh_candidates(devices: int):
     """(strategy, MeshShape) to try on ``devices``: each strategy's own mesh, and for 2d and 3d
     every model-axis size that is a power of two up to 16 (Megatron's all-reduces want the model
     axis small and inside a host)."""
-    from ..sharding.mesh import MeshShape, mesh_shape_for
-
     seen, out = set(), []
     for s in RECOMMEND_STRATEGIES:
         shapes = [mesh_shape_for(s, devices)]
@@ -149,8 +147,6 @@ def recommend(req: Request, build, config) -> list[tuple]:
 
 def _wire_bytes(req: Request, plan) -> float | None:
     """Bytes each device sends per step over all collectives (ring estimate), or None."""
-    from .communication import communication
-
     if plan.attention is None:
         return None
     if req.training is not None:

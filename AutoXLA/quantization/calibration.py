@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import backend
+from ..sharding.decoder_stack import find_stack
+
 DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN = 512, 128
 
 
@@ -168,8 +171,6 @@ def read_back(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The tensors on the host after one execution of everything pending (one sync; on XLA
     each is first replicated, so each read is a plain copy, not a gathering program)."""
     if tensors and tensors[0].device.type == "xla":
-        from .. import backend
-
         tensors = [backend.replicated(t) for t in tensors]
         backend.sync()
     return [t.cpu() for t in tensors]
@@ -179,13 +180,10 @@ def read_back(*tensors: torch.Tensor) -> list[torch.Tensor]:
 def layer_by_layer(model: nn.Module):
     """On XLA, a sync before each decoder layer runs, so that each layer (the same ops on the
     same shapes) is one graph compiled once; elsewhere nothing."""
-    from ..sharding.decoder_stack import find_stack
-
     found = find_stack(model)
     if found is None or model_device(model).type != "xla":
         yield
         return
-    from .. import backend
 
     handles = [layer.register_forward_pre_hook(lambda *_: backend.sync()) for layer in found[1]]
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .backends import FORWARD
 from .config import LayerFormat
 from .packing import dequantize
 
@@ -45,8 +46,6 @@ class QuantizedLinear(nn.Module):
                           dtype, self.weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .backends import FORWARD
-
         return FORWARD[self.backend](self, x)
 
     def extra_repr(self) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import backend
 from .calibration import Calibration
 
 # s is clamped to [1e-5, 1e5]: a channel that is zero in X or W gets s = 1 (nothing to migrate).
@@ -147,6 +148,4 @@ def apply_smoothing(model: nn.Module, smoothing: Smoothing) -> None:
             if name in names:
                 t.copy_(smoothing.transform(name, t.detach()))
     if any(p.device.type == "xla" for p in model.parameters()):
-        from .. import backend
-
         backend.sync()   # on its own: the next forward's graph is then the same every time

@@ -50,6 +50,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import backend
+from ..sharding.plan import persistent_buffer_names
+from . import journal
+from .journal import _write_text
+from .journal import _fsync_dir as fsync_dir
+from .pretrained import _FSDP_WRAPPED, config_json, generation_json, unwrap
+from .safetensors_out import ShardWriter
+
 MANIFEST = "autoxla-train.json"
 FORMAT = 1
 LOCK = ".autoxla-train.lock"
@@ -151,8 +159,6 @@ class TrainingCheckpoints:
              ) -> Path:
         """Writes model (and optimizer) state as ``step``; returns the step's directory once it is
         committed. Call it after the optimizer step, on every process."""
-        from .. import backend
-
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TrainingCheckpointError(f"step={step!r}: pass the training step as an int >= 0")
         model = _unwrap(model)
@@ -310,8 +316,6 @@ class TrainingCheckpoints:
         save_pretrained's journaled writer: a failure leaves ``out_dir`` as it was."""
         import torch.distributed.checkpoint as dcp
 
-        from . import journal
-
         step, path, manifest = self._committed(step)
         problem = _missing_data(path)
         if problem:
@@ -328,8 +332,6 @@ class TrainingCheckpoints:
         target.mkdir(parents=True, exist_ok=True)
 
         def write_shards(paths, groups):
-            from .safetensors_out import ShardWriter
-
             for file, group in zip(paths, groups):
                 specs = {n: _export_spec(n, described, names) for n in group}
                 sources = sorted({names[n][0] for n in group})
@@ -353,17 +355,12 @@ class TrainingCheckpoints:
 
 # -- state ---------------------------------------------------------------------------------------
 def _unwrap(model: nn.Module) -> nn.Module:
-    from .pretrained import unwrap
-
     return unwrap(model)
 
 
 def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by the model's own names (FSDPv2's wrapper names
     dropped), each storage once: the names a model loaded the same way has on any mesh."""
-    from .pretrained import _FSDP_WRAPPED
-    from ..sharding.plan import persistent_buffer_names
-
     persistent = persistent_buffer_names(model)
     named = list(model.named_parameters())
     named += [(n, b) for n, b in model.named_buffers() if n in persistent]
@@ -392,8 +389,6 @@ def _check_same(saved: dict, now: dict, path: Path) -> None:
 
 def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
     """A scanned stack's ``[layers, ...]`` tensor -> the per-layer names transformers uses."""
-    from .pretrained import _FSDP_WRAPPED
-
     out = {}
     for prefix, m in model.named_modules():
         if not hasattr(m, "per_layer_items"):     # modeling/scan.py's StackedDecoderLayers
@@ -405,8 +400,6 @@ def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _model_files(model: nn.Module) -> dict:
-    from .pretrained import config_json, generation_json
-
     if getattr(model, "config", None) is None:      # a plain nn.Module: nothing to export with
         return {"config": None, "generation_config": None}
     return {"config": config_json(model), "generation_config": generation_json(model)}
@@ -439,8 +432,6 @@ def _optimizer_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
 
 def _optimizer_templates(model: nn.Module, saved: dict) -> dict:
     """Tensors DCP loads the optimizer state into: XLA ones sharded like their parameter."""
-    from .. import backend
-
     params = {name: p for p, name in _parameters_by_name(model)}
     out = {}
     for name, entries in saved["state"].items():
@@ -499,8 +490,6 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 
 def _parameters_by_name(model: nn.Module) -> list[tuple[nn.Parameter, str]]:
     """(parameter, its name without FSDPv2's wrapper parts), as named_parameters lists them."""
-    from .pretrained import _FSDP_WRAPPED
-
     return [(p, n.replace(_FSDP_WRAPPED, "")) for n, p in model.named_parameters()]
 
 
@@ -595,16 +584,12 @@ def _barrier() -> None:
 
 
 def _write_json(path: Path, value: dict) -> None:
-    from .journal import _write_text
-
     tmp = path.with_name(path.name + ".tmp")
     _write_text(tmp, json.dumps(value, indent=1, sort_keys=True))
     os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
-    from .journal import _fsync_dir as fsync_dir
-
     fsync_dir(path)
 
 

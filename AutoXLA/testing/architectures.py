@@ -16,6 +16,10 @@ from pathlib import Path
 
 import torch
 
+from ..modeling.pipeline import empty_model
+from ..sharding.decoder_stack import plan_stack
+from .tiny import save_random
+
 # The sizes every architecture is shrunk to, by config field (only fields the class has are set).
 # Hidden 64 with 4 heads of 16 and 2 kv heads: heads split over a model axis of 2 (2d on 8
 # devices); 8 experts split over fsdp=4 (2d) or 8 (fsdp).
@@ -125,8 +129,6 @@ def save_checkpoint(arch: Architecture | str, directory: str | os.PathLike, *, s
     several shards (mixture-of-experts models in their hub layout: one tensor per expert)."""
     from transformers import AutoModelForCausalLM
 
-    from .tiny import save_random
-
     arch = BY_NAME[arch] if isinstance(arch, str) else arch
     return save_random(AutoModelForCausalLM, arch.config(**overrides), directory, seed=seed,
                        dtype=dtype, max_shard_size=max_shard_size)
@@ -150,9 +152,6 @@ def markdown_table() -> str:
 
 def _stack(arch: Architecture) -> str:
     from transformers import AutoModelForCausalLM
-
-    from ..modeling.pipeline import empty_model
-    from ..sharding.decoder_stack import plan_stack
 
     plan = plan_stack(empty_model(arch.config(), AutoModelForCausalLM).model)
     if plan.scanned:

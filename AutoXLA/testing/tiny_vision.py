@@ -22,6 +22,10 @@ from pathlib import Path
 
 import torch
 
+from ..modeling.pipeline import pick_auto_class
+from ..modeling.segmentation import auto_classes
+from .tiny import config_from_table
+
 # The SAM family's prompt encoder and two-way mask decoder: 2 heads (attention_downsample_rate 2:
 # 16 internal channels), an iou_prediction_head of hidden size 20, 3 multimask outputs + 1.
 _SAM_DECODER = dict(hidden_size=32, mlp_dim=64, num_hidden_layers=2, num_attention_heads=2,
@@ -163,8 +167,6 @@ def missing_families() -> dict[str, str]:
 
 
 def tiny_config(family: str, **overrides):
-    from .tiny import config_from_table
-
     return config_from_table(FAMILIES, family, overrides)
 
 
@@ -230,8 +232,6 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
     this is also the object a reloaded checkpoint must equal.
     """
     config = tiny_config(family, **overrides)
-    from ..modeling.pipeline import pick_auto_class
-    from ..modeling.segmentation import auto_classes
 
     auto = pick_auto_class(auto_classes(), config)
     torch.manual_seed(seed)
@@ -329,8 +329,6 @@ SAM3_DETECTOR_OUTPUTS = ("pred_masks", "pred_boxes", "pred_logits", "presence_lo
 
 
 def sam3_detector_config(**overrides):
-    from .tiny import config_from_table
-
     return config_from_table({"sam3_detector": SAM3_DETECTOR}, "sam3_detector", overrides)
 
 
@@ -338,9 +336,6 @@ def sam3_detector_model(*, seed: int = 0, dtype: torch.dtype = torch.float32, **
     """The tiny Sam3Model with widened random weights, built through the auto class the
     segmentation loader picks (its AutoModel fallback), deterministic in ``seed``."""
     import transformers
-
-    from ..modeling.pipeline import pick_auto_class
-    from ..modeling.segmentation import auto_classes
 
     config = sam3_detector_config(**overrides)
     auto = pick_auto_class(auto_classes(), config)

@@ -42,6 +42,7 @@ from ...saving import unwrap
 from ...sharding.configs import decoder_config
 # from_pretrained's own reading of the original's attention_layer_indices / attention_partition_spec
 from ...modeling.options import fold_original_attention_keywords
+from ...modeling.scan import stack_of
 
 logger = logging.getLogger("AutoXLA")
 
@@ -252,8 +253,6 @@ def _rescan(inner: nn.Module) -> None:
     """A scanned decoder stack runs one layer's (or one group's) modules for every step: if the
     patch made the layers differ (layer_indices), it runs unrolled, as from_pretrained decides
     when its attention_config['layers'] does the same (modeling/pipeline.py stack_layers)."""
-    from ...modeling.scan import stack_of
-
     stack = stack_of(inner)
     if stack is None:
         return
