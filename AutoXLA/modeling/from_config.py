@@ -65,4 +65,5 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
 
 def plan_for_mesh(r, config, strategy: str, mesh, scan_layers: bool = True):
     """The Plan of ``meta_model``'s model on ``mesh`` (one model serves many meshes)."""
-    return build_plan(r.model, config, mesh, strategy, r.dtype, r.tied, scan_layers=scan_layers)
+    return build_plan(r.model, config, mesh, strategy, r.dtype, r.tied, scan_layers=scan_layers,
+                      quantization=r.quantization)

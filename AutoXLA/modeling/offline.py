@@ -54,7 +54,7 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
     model = resolved.model
     # One device: the plan serves for its names, shapes, dtypes and sources, not for its specs.
     plan = build_plan(model, resolved.config, mesh_shape_for("fsdp", 1), "fsdp", resolved.dtype,
-                      resolved.tied, scan_layers=False)
+                      resolved.tied, scan_layers=False, quantization=resolved.quantization)
     stored = _saved_order(model, saving.saved_tensors(model))   # what save_pretrained stores
     specs = {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
     groups = saving.shard_groups({n: t.numel() * t.element_size() for n, t in stored.items()},

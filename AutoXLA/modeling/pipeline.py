@@ -36,6 +36,7 @@ class Resolved:
     model: nn.Module            # parameters on meta, buffers on the CPU
     dtype: torch.dtype
     tied: dict[str, str]        # target name -> source name
+    quantization: Any = None    # the QuantizationReport the model is quantized by, or None
 
 
 def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
@@ -129,7 +130,9 @@ def adopt(model: nn.Module, opts: LoadOptions) -> Resolved:
             else:
                 first[id(p)] = name
     model.eval()
-    return Resolved(getattr(model, "config", None), model, dtype, tied)
+    # A model the user quantized (ModelQuantizer) carries the report of its decisions.
+    return Resolved(getattr(model, "config", None), model, dtype, tied,
+                    getattr(model, "autoxla_quantization", None))
 
 
 def patch_linears(model: nn.Module, opts: LoadOptions) -> None:
@@ -147,7 +150,7 @@ def make_plan(resolved: Resolved, opts: LoadOptions):
         shape = mesh_shape_for(opts.sharding_strategy, backend.device_count())
         mesh, strategy = backend.make_mesh(shape, opts.multislice), opts.sharding_strategy
     plan = build_plan(resolved.model, resolved.config, shape, strategy, resolved.dtype, resolved.tied,
-                      scan_layers=opts.scan_layers)
+                      scan_layers=opts.scan_layers, quantization=resolved.quantization)
     if opts.multislice is not None:
         plan.notes.append("links: " + opts.multislice.links(shape))
     host = backend.current_host()
@@ -172,12 +175,15 @@ def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
         stack_decoder(model, plan.stack, plan, mesh)
 
 
-def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool):
-    """Step 2a: swap in QuantizedLinear layers while the model is still empty, so the plan shows
-    the quantized tensors and the loader fills them (quantizing float weights as they stream).
+def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool, calibration=None):
+    """Step 2a: decide which layers are quantized and how, then swap in QuantizedLinear layers
+    while the model is still empty, so the plan shows the quantized tensors and the loader fills
+    them (quantizing float weights as they stream). The decisions are ``resolved.quantization``.
 
     ``requested`` is the user's QuantizationConfig or None. A checkpoint AutoXLA saved quantized
-    is loaded as such: its config.json holds the format. Returns the config used, or None.
+    is loaded as such: its config.json holds the format. ``calibration``: what calibrating the
+    float model measured and chose (step 1b), recorded in the decisions. Returns the config used,
+    or None.
     """
     saved = getattr(resolved.config, "quantization_config", None)
     cfg = requested
@@ -196,7 +202,12 @@ def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool):
                 "float checkpoint")
         cfg = cfg or saved
     if cfg is not None:
-        ModelQuantizer(cfg).quantize_model(resolved.model, tied=resolved.tied, on_tpu=on_tpu)
+        quantizer = ModelQuantizer(cfg)
+        report = quantizer.plan(resolved.model, resolved.tied, on_tpu)
+        if calibration is not None:
+            report.attach_calibration(calibration)
+        quantizer.apply(resolved.model, report)
+        resolved.quantization = report
     return cfg
 
 
@@ -208,9 +219,7 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     qconfig, smoothing, calibration = opts.quantization_config, None, None
     if opts.calibration is not None:                       # 1b. float model, calibrated, dropped
         qconfig, smoothing, calibration = calibrate_float(path, auto_class, opts, resolved, checkpoint)
-    quantize_on_meta(resolved, qconfig, backend.pallas_target())                 # 2a. quantized linears
-    if calibration is not None:
-        resolved.model.autoxla_quantization.attach_calibration(calibration)
+    quantize_on_meta(resolved, qconfig, backend.pallas_target(), calibration)   # 2a. quantize
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
     plan, mesh = make_plan(resolved, opts)                                           # 2. plan
     if opts.verbose:
@@ -274,9 +283,10 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
                          "ModelQuantizer(config).quantize_model(model, calibration=...), or use "
                          "from_pretrained(..., calibration=...)")
     if opts.quantization_config is not None:                                # 2a. quantize in C
-
-        ModelQuantizer(opts.quantization_config).quantize_model(
-            resolved.model, tied=resolved.tied, on_tpu=backend.pallas_target())
+        quantizer = ModelQuantizer(opts.quantization_config)
+        resolved.quantization = quantizer.plan(resolved.model, resolved.tied,
+                                               backend.pallas_target())
+        quantizer.apply(resolved.model, resolved.quantization)
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
     plan, mesh = make_plan(resolved, opts)                                           # 2. plan
     if opts.verbose:

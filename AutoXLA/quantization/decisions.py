@@ -31,6 +31,7 @@ class LayerDecision:
     min_sqnr_db: float | None = None
     median_sqnr_db: float | None = None
     experts: int = 0                # a mixture-of-experts projection of this many experts
+    source_shape: tuple[int, ...] = ()   # its float parameter's shape, as a checkpoint holds it
     # TPU generations where torch_xla tuned Pallas tiles for this layer (pallas_tiles.py); on
     # the others its Pallas backend gives way to the next one
     pallas_tuned: tuple[int, ...] = ()
@@ -197,7 +198,8 @@ def _plan_experts(config: QuantizationConfig, name: str, module: nn.Module, repo
             continue
         fmt = experts_format(config, full, weight, bool(module.is_transposed))
         report.layers[full] = LayerDecision(full, fmt, EXPERTS_BACKEND, [WHY_NO_KERNEL], False,
-                                            experts=weight.shape[0])
+                                            experts=weight.shape[0],
+                                            source_shape=tuple(weight.shape))
 
 def _plan_embeddings(config: QuantizationConfig, model: nn.Module, tied_names: set[str], report,
                      matched: set) -> None:

@@ -30,7 +30,6 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = fmt.in_features, fmt.out_features
         self.backend = backend
         self.quantize_activation = quantize_activation
-        self.pallas_tuned: tuple[int, ...] = ()   # TPU generations with tuned Pallas tiles
         register_quantized_buffers(self, fmt, device)
         self.bias = nn.Parameter(torch.zeros(fmt.out_features, dtype=dtype, device=device)) if bias else None
 

@@ -84,6 +84,12 @@ class ModelQuantizer:
         report = decide(config, model, tied, on_tpu)
         if result is not None:     # before the swap: a searching format weighs by its importance
             report.attach_calibration(result)
+        return self.apply(model, report)
+
+    def apply(self, model: nn.Module, report: QuantizationReport) -> nn.Module:
+        """Swap in the modules ``report`` decided (``plan``), quantizing the weights already
+        known; returns ``model``, whose ``autoxla_quantization`` is ``report``."""
+        _refuse_stacked(model)
         report.bytes_before = _weight_bytes(model)
         with repointing_references(model):
             self._swap(model, report)
@@ -153,7 +159,6 @@ def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:
     dtype = old.bias.dtype if old.bias is not None else old.weight.dtype
     new = QuantizedLinear(d.fmt, bias=old.bias is not None, backend=d.backend,
                           quantize_activation=d.activation_quant, dtype=dtype, device=dev)
-    new.pallas_tuned = d.pallas_tuned   # for the plan (sharding/plan.py)
     if old.bias is not None:
         new.bias.requires_grad_(old.bias.requires_grad)
     return new

@@ -209,11 +209,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
                dtype: torch.dtype | None = None, tied: dict[str, str] | None = None,
-               scan_layers: bool = True) -> Plan:
+               scan_layers: bool = True, quantization=None) -> Plan:
     """The plan for ``model`` (usually on the meta device) on a mesh of shape ``mesh``.
 
     ``tied`` maps a tensor name to the name whose storage it shares (transformers' tied weights);
     a tied tensor takes its source's spec, since one buffer cannot hold two layouts.
+    ``quantization``: the QuantizationReport the model's layers were quantized by
+    (quantization/decisions.py; None for a float model), whose formats, backends and notes the
+    plan records as they were decided, not as read back off the swapped modules.
     """
     tied = dict(tied or {})
     output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -235,14 +238,14 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
         tdtype = dtype if (dtype is not None and floating) else tensor.dtype
         entries[name] = _entry(name, rule.role, shape, dtype_name(tdtype), spec, mesh,
                                "; ".join(reasons), is_buffer, persistent=name in persistent or not is_buffer,
-                               **_quant_fields(name, owner))
+                               **_quant_fields(name, quantization))
     for target, source in tied.items():
         if target in entries and source in entries:
             src = entries[source]
             t = entries[target]
             entries[target] = _entry(target, t.role, t.shape, src.dtype, src.spec, mesh, src.reason,
                                      t.is_buffer, tied_to=source)
-    report = getattr(model, "autoxla_quantization", None)   # set by ModelQuantizer
+    report = quantization
     attention = _attention(model, config)
     notes = report.notes() if report is not None else []
     notes += _experts_notes(list(entries.values()), mesh)
@@ -296,17 +299,20 @@ def _entry(name, role, shape, dtype, spec, mesh, reason, is_buffer, tied_to="", 
                       tied_to=tied_to, persistent=persistent, **quant)
 
 
-def _quant_fields(name: str, owner: nn.Module) -> dict:
-    fmt = getattr(owner, "quant_format", None)
+def _quant_fields(name: str, report) -> dict:
+    """A quantized tensor's entries from its layer's decision (LayerDecision, keyed by the
+    module's name): format, backend, the float weight it is made from."""
     prefix, _, leaf = name.rpartition(".")
-    if fmt is None:
+    decision = report.layers.get(prefix) if report is not None else None
+    if decision is None:
         return {}
+    fmt = decision.fmt
     if leaf == "weight":
-        fields = dict(quant=fmt.label, backend=owner.backend,
+        fields = dict(quant=fmt.label, backend=decision.backend,
                       source_shape=(fmt.out_features, fmt.in_features),
-                      pallas_tuned=tuple(getattr(owner, "pallas_tuned", ())))
-        if getattr(owner, "num_experts", None):   # QuantizedExperts: made from the float parameter
-            fields.update(source_shape=owner.source_shape, source_name=prefix)
+                      pallas_tuned=tuple(decision.pallas_tuned))
+        if decision.experts:   # QuantizedExperts: made from the float [experts, ...] parameter
+            fields.update(source_shape=tuple(decision.source_shape), source_name=prefix)
         return fields
     if leaf in rules.QUANT_SIDECARS:
         return dict(quant=fmt.label, derived_from=f"{prefix}.weight" if prefix else "weight")

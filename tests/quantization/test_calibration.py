@@ -185,7 +185,8 @@ def test_auto_exclusion_meets_its_target_and_says_so(float_model, tokens):
     assert real / base - 1 == pytest.approx(report.error, abs=1e-5)
     assert real / base - 1 <= target + 1e-5
     # The plan lists the calibration's choices under its table.
-    plan = build_plan(model, model.config, MeshShape(1, 4, 2), "2d")
+    plan = build_plan(model, model.config, MeshShape(1, 4, 2), "2d",
+                      quantization=model.autoxla_quantization)
     notes = "\n".join(plan.notes)
     assert all(n in notes for n in report.float_activations + report.kept_float)
     assert model.autoxla_quantization.config.float_activation_layers == report.float_activations
