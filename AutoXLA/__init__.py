@@ -5,7 +5,7 @@ from .modeling import (AutoXLAModelForCausalLM, AutoXLAModelForImageSegmentation
 from .quantization import LanguageModelQuantizer, ModelQuantizer, QuantizationConfig
 from .sharding.mesh import MeshShape, mesh_shape_for
 from .sharding.multislice import MultiSlice
-from .sharding.plan import Plan, TensorPlan
+from .planning.plan import Plan, TensorPlan
 from .saving import TrainingCheckpoints
 
 __version__ = "0.1.0"

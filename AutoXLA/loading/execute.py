@@ -17,7 +17,7 @@ from .. import _native, backend
 from ..quantization.experts import quantize_experts
 from ..quantization.linear import stored_tensors
 from ..quantization.weights import quantize_tensor
-from ..sharding.plan import Plan
+from ..planning.plan import Plan
 from . import checkpoint as ckpt
 from . import streaming
 from .converted import compose

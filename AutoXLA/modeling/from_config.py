@@ -11,7 +11,7 @@ from transformers.initialization import no_init_weights
 from ..loading.checkpoint import require_path_or_hub_id
 from ..planning.model_configs import shipped_config_dir
 from ..sharding.mesh import mesh_shape_for, normalize_strategy
-from ..sharding.plan import build_plan
+from ..planning.plan import build_plan
 from .causal import causal_or_image_text_class
 from .empty import load_config
 from .pipeline import empty_model, pick_auto_class, quantize_on_meta

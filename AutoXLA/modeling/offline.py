@@ -23,7 +23,7 @@ from ..quantization.linear import stored_tensors
 from ..saving.safetensors_out import ShardWriter
 from ..sharding.decoder_stack import plan_stack
 from ..sharding.mesh import mesh_shape_for
-from ..sharding.plan import build_plan
+from ..planning.plan import build_plan
 from .causal import causal_or_image_text_class
 from .empty import load_config
 from .pipeline import empty_model, pick_auto_class, quantize_on_meta

@@ -20,7 +20,7 @@ from ..loading.execute import load, place
 from ..quantization import ModelQuantizer, QuantizationConfig, sensitivity
 from ..sharding.decoder_stack import find_stack
 from ..sharding.mesh import mesh_shape_for
-from ..sharding.plan import Plan, build_plan
+from ..planning.plan import Plan, build_plan
 from . import dynamic_cache
 from . import wrap as wrapping
 from .empty import check_sizes, load_config, parameters_on_meta

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..sharding.plan import persistent_buffer_names
+from ..planning.plan import persistent_buffer_names
 from .journal import _DEFAULT_SHARD, parse_size, shard_groups, write_checkpoint
 
 # FSDPv2 wraps each decoder layer and keeps it as `_orig_module`: saved names drop it.

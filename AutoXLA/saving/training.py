@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .. import backend
-from ..sharding.plan import persistent_buffer_names
+from ..planning.plan import persistent_buffer_names
 from . import journal
 from .journal import _write_text
 from .journal import _fsync_dir as fsync_dir

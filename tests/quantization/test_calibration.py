@@ -21,7 +21,7 @@ from AutoXLA.quantization import (CalibrationConfig, ModelQuantizer, Quantizatio
 from AutoXLA.quantization.calibration import default_text, token_batch, token_nll
 from AutoXLA.quantization.smoothing import apply_smoothing, norm_folds, plan_smoothing
 from AutoXLA.sharding.mesh import MeshShape
-from AutoXLA.sharding.plan import build_plan
+from AutoXLA.planning.plan import build_plan
 
 from ..helpers import quiet, sqnr_db
 

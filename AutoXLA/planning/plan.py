@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from . import rules
-from .configs import module_configs
-from .decoder_stack import StackPlan, plan_stack
-from .kv_cache import KVCachePlan, attention_shape, kv_cache_for
-from .mesh import AXES, MeshShape, format_spec
+from ..sharding import rules
+from ..sharding.configs import module_configs
+from ..sharding.decoder_stack import StackPlan, plan_stack
+from ..sharding.kv_cache import KVCachePlan, attention_shape, kv_cache_for
+from ..sharding.mesh import AXES, MeshShape, format_spec
 
 
 @dataclass(frozen=True)
