@@ -44,3 +44,19 @@ def test_the_package_imports_itself_at_module_level():
                         a.name.split(".")[0] == "AutoXLA" for a in node.names):
                     inside.append(f"{path.relative_to(ROOT)}:{node.lineno} {fn.name}")
     assert not inside, inside
+
+
+def test_the_users_choices_are_read_in_one_place():
+    """quantization_config, attn_implementation and sharding_strategy are read from the loader's
+    options by modeling/choices.py alone (modeling/options.py validates them): every step after
+    reads the decided values."""
+    keywords = {"quantization_config", "attn_implementation", "sharding_strategy"}
+    readers = set()
+    for path in sorted((ROOT / "AutoXLA").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in keywords
+                    and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+                    and node.value.id == "opts"):
+                readers.add(str(path.relative_to(ROOT)))
+    assert readers == {"AutoXLA/modeling/choices.py"}, readers

@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from .. import _native, backend
+from ..planning.plan import Plan
 from ..quantization.experts import quantize_experts
 from ..quantization.linear import stored_tensors
 from ..quantization.weights import quantize_tensor
-from ..planning.plan import Plan
 from . import checkpoint as ckpt
 from . import streaming
 from .converted import compose

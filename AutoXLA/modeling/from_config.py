@@ -10,9 +10,10 @@ from transformers.initialization import no_init_weights
 
 from ..loading.checkpoint import require_path_or_hub_id
 from ..planning.model_configs import shipped_config_dir
-from ..sharding.mesh import mesh_shape_for, normalize_strategy
 from ..planning.plan import build_plan
+from ..sharding.mesh import mesh_shape_for, normalize_strategy
 from .causal import causal_or_image_text_class
+from .choices import quantization_for
 from .empty import load_config
 from .pipeline import empty_model, pick_auto_class, quantize_on_meta
 from .segmentation import auto_classes
@@ -59,7 +60,8 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
     auto_class = causal_or_image_text_class(config) or pick_auto_class(auto_classes(), config)
     with no_init_weights():     # a plan reads shapes only: random init on meta is wasted time
         r = empty_model(config, auto_class, dtype if dtype is not None else "auto")
-    quantize_on_meta(r, quantization_config, on_tpu)
+    # the same choice of format as from_pretrained's (the checkpoint's own, if it is quantized)
+    quantize_on_meta(r, quantization_for(config, quantization_config), on_tpu)
     return r, config
 
 

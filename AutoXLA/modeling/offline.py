@@ -19,12 +19,13 @@ import torch
 from .. import _native, saving
 from ..loading import execute, streaming
 from ..loading import checkpoint as ckpt
+from ..planning.plan import build_plan
 from ..quantization.linear import stored_tensors
 from ..saving.safetensors_out import ShardWriter
 from ..sharding.decoder_stack import plan_stack
 from ..sharding.mesh import mesh_shape_for
-from ..planning.plan import build_plan
 from .causal import causal_or_image_text_class
+from .choices import quantization_for
 from .empty import load_config
 from .pipeline import empty_model, pick_auto_class, quantize_on_meta
 from .segmentation import auto_classes
@@ -50,7 +51,8 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
     if checkpoint.is_pickle:
         raise ValueError(f"{src} holds pickle weights (*.bin), which cannot be read one tensor at "
                          "a time; convert it to safetensors first (load and save_pretrained)")
-    quantize_on_meta(resolved, config, on_tpu=False)   # the backend does not change what is stored
+    # the backend does not change what is stored; the format is chosen as from_pretrained does
+    quantize_on_meta(resolved, quantization_for(resolved.config, config), on_tpu=False)
     model = resolved.model
     # One device: the plan serves for its names, shapes, dtypes and sources, not for its specs.
     plan = build_plan(model, resolved.config, mesh_shape_for("fsdp", 1), "fsdp", resolved.dtype,

@@ -17,12 +17,13 @@ from ..attention.patch import set_decoder_attention
 from ..generation import compile_cache
 from ..loading import checkpoint as ckpt
 from ..loading.execute import load, place
-from ..quantization import ModelQuantizer, QuantizationConfig, sensitivity
+from ..planning.plan import Plan, build_plan
+from ..quantization import ModelQuantizer, sensitivity
 from ..sharding.decoder_stack import find_stack
 from ..sharding.mesh import mesh_shape_for
-from ..planning.plan import Plan, build_plan
 from . import dynamic_cache
 from . import wrap as wrapping
+from .choices import Choices, choose
 from .empty import check_sizes, load_config, parameters_on_meta
 from .options import LoadOptions
 from .scan import stack_decoder
@@ -37,10 +38,12 @@ class Resolved:
     dtype: torch.dtype
     tied: dict[str, str]        # target name -> source name
     quantization: Any = None    # the QuantizationReport the model is quantized by, or None
+    choices: Choices | None = None   # what the user asked, decided once (modeling/choices.py)
 
 
-def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
-    """Step 1: config and an empty model of the right class (no weights read).
+def resolve(path, auto_class, opts: LoadOptions, choices: Choices | None = None) -> Resolved:
+    """Step 1: config, what the user asked decided against it (``choose``, unless ``choices`` is
+    given), and an empty model of the right class (no weights read).
 
     ``auto_class`` is a transformers auto class, a sequence of them tried in order (the first
     whose mapping knows the config's type is used), or a function of the config that returns one.
@@ -56,16 +59,19 @@ def resolve(path, auto_class, opts: LoadOptions) -> Resolved:
             "attn_implementation, attention_config, do_quant, quantization_config, calibration, "
             "xla_patch_linear, generation_options, compile_cache, scan_layers, multislice) nor "
             "fields of the model's config; check the spelling")
-    config._attn_implementation = opts.attn_implementation
+    choices = choices or choose(config, opts)
+    config._attn_implementation = choices.attention
     moe.use_for(config)     # static-shape mixture-of-experts layers (moe.py)
-    if opts.attn_implementation != "eager":
+    if choices.attention != "eager":
         register_attention()   # transformers must know the name before the model is built
-        set_decoder_attention(config, TRANSFORMERS_NAMES[opts.attn_implementation])
+        set_decoder_attention(config, TRANSFORMERS_NAMES[choices.attention])
     if isinstance(auto_class, (tuple, list)):
         auto_class = pick_auto_class(auto_class, config)
     elif not hasattr(auto_class, "from_config"):     # a chooser: config -> auto class
         auto_class = auto_class(config)
-    return empty_model(config, auto_class, opts.dtype, opts.trust_remote_code)
+    resolved = empty_model(config, auto_class, opts.dtype, opts.trust_remote_code)
+    resolved.choices = choices
+    return resolved
 
 
 def pick_auto_class(candidates, config):
@@ -130,9 +136,10 @@ def adopt(model: nn.Module, opts: LoadOptions) -> Resolved:
             else:
                 first[id(p)] = name
     model.eval()
+    config = getattr(model, "config", None)
     # A model the user quantized (ModelQuantizer) carries the report of its decisions.
-    return Resolved(getattr(model, "config", None), model, dtype, tied,
-                    getattr(model, "autoxla_quantization", None))
+    return Resolved(config, model, dtype, tied, getattr(model, "autoxla_quantization", None),
+                    choose(config, opts, checkpoint=False))
 
 
 def patch_linears(model: nn.Module, opts: LoadOptions) -> None:
@@ -142,17 +149,19 @@ def patch_linears(model: nn.Module, opts: LoadOptions) -> None:
         backend.patch_linear_for_spmd(model)
 
 
-def make_plan(resolved: Resolved, opts: LoadOptions):
+def make_plan(resolved: Resolved):
     """Step 2: the mesh and the plan of every tensor on it."""
-    if opts.mesh is not None:
-        (shape, mesh), strategy = backend.adopt_user_mesh(opts.mesh), "custom mesh"
+    choices = resolved.choices
+    if choices.mesh is not None:
+        shape, mesh = backend.adopt_user_mesh(choices.mesh)
     else:
-        shape = mesh_shape_for(opts.sharding_strategy, backend.device_count())
-        mesh, strategy = backend.make_mesh(shape, opts.multislice), opts.sharding_strategy
-    plan = build_plan(resolved.model, resolved.config, shape, strategy, resolved.dtype, resolved.tied,
-                      scan_layers=opts.scan_layers, quantization=resolved.quantization)
-    if opts.multislice is not None:
-        plan.notes.append("links: " + opts.multislice.links(shape))
+        shape = mesh_shape_for(choices.strategy, backend.device_count())
+        mesh = backend.make_mesh(shape, choices.multislice)
+    plan = build_plan(resolved.model, resolved.config, shape, choices.strategy, resolved.dtype,
+                      resolved.tied, scan_layers=choices.scan_layers,
+                      quantization=resolved.quantization)
+    if choices.multislice is not None:
+        plan.notes.append("links: " + choices.multislice.links(shape))
     host = backend.current_host()
     if host.simulated:
         plan.simulated_host = f"{host.index}/{host.count}"
@@ -175,32 +184,13 @@ def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
         stack_decoder(model, plan.stack, plan, mesh)
 
 
-def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool, calibration=None):
-    """Step 2a: decide which layers are quantized and how, then swap in QuantizedLinear layers
-    while the model is still empty, so the plan shows the quantized tensors and the loader fills
-    them (quantizing float weights as they stream). The decisions are ``resolved.quantization``.
-
-    ``requested`` is the user's QuantizationConfig or None. A checkpoint AutoXLA saved quantized
-    is loaded as such: its config.json holds the format. ``calibration``: what calibrating the
-    float model measured and chose (step 1b), recorded in the decisions. Returns the config used,
-    or None.
+def quantize_on_meta(resolved: Resolved, cfg, on_tpu: bool, calibration=None) -> None:
+    """Step 2a: decide which layers are quantized to ``cfg`` (a QuantizationConfig, or None for
+    none) and how, then swap in QuantizedLinear layers while the model is still empty, so the
+    plan shows the quantized tensors and the loader fills them (quantizing float weights as they
+    stream). The decisions are ``resolved.quantization``. ``calibration``: what calibrating the
+    float model measured and chose (step 1b), recorded in the decisions.
     """
-    saved = getattr(resolved.config, "quantization_config", None)
-    cfg = requested
-    if saved is not None:
-        saved = saved if isinstance(saved, dict) else saved.to_dict()
-        method = saved.get("quant_method")
-        if method != "autoxla":
-            raise ValueError(f"the checkpoint is quantized with {method!r}, which AutoXLA cannot "
-                             "load; use its float checkpoint with do_quant=True instead")
-        saved = QuantizationConfig.from_dict(saved)
-        if cfg is not None and not cfg.same_weights_as(saved):
-            raise ValueError(
-                f"the checkpoint is already quantized (n_bits={saved.n_bits}, block_size="
-                f"{saved.block_size}, symmetric={saved.symmetric}) and cannot be quantized again "
-                "with a different format; load it without quantization_config, or quantize its "
-                "float checkpoint")
-        cfg = cfg or saved
     if cfg is not None:
         quantizer = ModelQuantizer(cfg)
         report = quantizer.plan(resolved.model, resolved.tied, on_tpu)
@@ -208,7 +198,6 @@ def quantize_on_meta(resolved: Resolved, requested, on_tpu: bool, calibration=No
             report.attach_calibration(calibration)
         quantizer.apply(resolved.model, report)
         resolved.quantization = report
-    return cfg
 
 
 def build(path, auto_class, opts: LoadOptions) -> nn.Module:
@@ -216,16 +205,16 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
     resolved = resolve(path, auto_class, opts)                                       # 1. resolve
     checkpoint = ckpt.locate(path, use_safetensors=opts.use_safetensors, **opts.hub_kwargs)
-    qconfig, smoothing, calibration = opts.quantization_config, None, None
-    if opts.calibration is not None:                       # 1b. float model, calibrated, dropped
+    qconfig, smoothing, calibration = resolved.choices.quantization, None, None
+    if resolved.choices.calibration is not None:           # 1b. float model, calibrated, dropped
         qconfig, smoothing, calibration = calibrate_float(path, auto_class, opts, resolved, checkpoint)
     quantize_on_meta(resolved, qconfig, backend.pallas_target(), calibration)   # 2a. quantize
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
-    plan, mesh = make_plan(resolved, opts)                                           # 2. plan
+    plan, mesh = make_plan(resolved)                                                 # 2. plan
     if opts.verbose:
         print(plan)
     load(resolved.model, plan, mesh, checkpoint, opts.verbose, smoothing)  # 3. load (+ quantize)
-    return _finish(resolved.model, plan, mesh, opts)                        # 4. patch, 5. wrap
+    return _finish(resolved, plan, mesh, opts)                              # 4. patch, 5. wrap
 
 
 def calibrate_float(path, auto_class, opts: LoadOptions, resolved: Resolved, checkpoint):
@@ -234,7 +223,6 @@ def calibrate_float(path, auto_class, opts: LoadOptions, resolved: Resolved, che
     then free it. Returns (the QuantizationConfig to quantize with, the smoothing the loader
     applies to the checkpoint's tensors, the CalibrationReport). Costs a second read of the
     checkpoint instead of a second copy of the model on the devices."""
-    import dataclasses
     import gc
 
     if getattr(resolved.config, "quantization_config", None) is not None:
@@ -244,16 +232,14 @@ def calibrate_float(path, auto_class, opts: LoadOptions, resolved: Resolved, che
     if not (hasattr(resolved.model, "can_generate") and resolved.model.can_generate()):
         raise ValueError(f"calibration=... scores next tokens, but {type(resolved.model).__name__} "
                          "is not a language model; quantize it without calibration")
-    tokenizer = _tokenizer(path, opts) if opts.calibration.needs_tokenizer else None
-    float_opts = dataclasses.replace(opts, quantization_config=None, do_quant=False,
-                                     calibration=None, attn_implementation="eager",
-                                     attention_config=None, xla_patch_linear=False)
-    floating = resolve(path, auto_class, float_opts)
-    plan, mesh = make_plan(floating, float_opts)
+    calibration = resolved.choices.calibration
+    tokenizer = _tokenizer(path, opts) if calibration.needs_tokenizer else None
+    floating = resolve(path, auto_class, opts, resolved.choices.for_float_model())
+    plan, mesh = make_plan(floating)
     load(floating.model, plan, mesh, checkpoint, False)
     backend.set_global_mesh(mesh)     # results read back are replicated over it
     try:
-        return sensitivity.run(floating.model, opts.calibration, opts.quantization_config,
+        return sensitivity.run(floating.model, calibration, resolved.choices.quantization,
                                tokenizer, floating.tied, backend.pallas_target())
     finally:
         del floating
@@ -278,26 +264,27 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
     """from_model, top to bottom: the same steps on a model that already holds its weights."""
     compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
     resolved = adopt(model, opts)                                                    # 1. adopt
-    if opts.calibration is not None:
+    if resolved.choices.calibration is not None:
         raise ValueError("from_model does not calibrate: quantize the model first with "
                          "ModelQuantizer(config).quantize_model(model, calibration=...), or use "
                          "from_pretrained(..., calibration=...)")
-    if opts.quantization_config is not None:                                # 2a. quantize in C
-        quantizer = ModelQuantizer(opts.quantization_config)
+    if resolved.choices.quantization is not None:                           # 2a. quantize in C
+        quantizer = ModelQuantizer(resolved.choices.quantization)
         resolved.quantization = quantizer.plan(resolved.model, resolved.tied,
                                                backend.pallas_target())
         quantizer.apply(resolved.model, resolved.quantization)
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
-    plan, mesh = make_plan(resolved, opts)                                           # 2. plan
+    plan, mesh = make_plan(resolved)                                                 # 2. plan
     if opts.verbose:
         print(plan)
     place(resolved.model, plan, mesh)                                                # 3. place
-    return _finish(resolved.model, plan, mesh, opts)                        # 4. patch, 5. wrap
+    return _finish(resolved, plan, mesh, opts)                              # 4. patch, 5. wrap
 
 
-def _finish(model: nn.Module, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
-    if opts.attn_implementation != "eager":                                         # 4. patch
-        patch_attention(model, opts.attn_implementation, opts.attention_config, mesh)
+def _finish(resolved: Resolved, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
+    model, choices = resolved.model, resolved.choices
+    if choices.attention != "eager":                                                # 4. patch
+        patch_attention(model, choices.attention, choices.attention_config, mesh)
     moe.place(model, plan)                 # 4. mixture-of-experts layers: the plan's split
     stack_layers(model, plan, mesh)                                           # 4b. scan
     if plan.attention is not None:           # 4c. plain forwards: XLA-safe sliding cache layers
