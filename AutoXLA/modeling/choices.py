@@ -5,6 +5,7 @@ these values, never the keywords (``LoadOptions`` validates the keywords; this d
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,8 @@ class Choices:
 
     def for_float_model(self) -> "Choices":
         """The float model calibration measures: eager attention, nothing quantized."""
-        return Choices("eager", None, None, None, self.strategy, self.mesh, self.multislice,
-                       self.scan_layers)
+        return dataclasses.replace(self, attention="eager", attention_config=None,
+                                   quantization=None, calibration=None)
 
 
 def choose(config, opts: LoadOptions, checkpoint: bool = True) -> Choices:

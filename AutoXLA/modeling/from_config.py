@@ -15,7 +15,7 @@ from ..sharding.mesh import mesh_shape_for, normalize_strategy
 from .causal import causal_or_image_text_class
 from .choices import quantization_for
 from .empty import load_config
-from .pipeline import empty_model, pick_auto_class, quantize_on_meta
+from .pipeline import empty_model, pick_auto_class, quantize_layers
 from .segmentation import auto_classes
 
 # The dtype names the command line accepts, to torch's names.
@@ -61,7 +61,7 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
     with no_init_weights():     # a plan reads shapes only: random init on meta is wasted time
         r = empty_model(config, auto_class, dtype if dtype is not None else "auto")
     # the same choice of format as from_pretrained's (the checkpoint's own, if it is quantized)
-    quantize_on_meta(r, quantization_for(config, quantization_config), on_tpu)
+    quantize_layers(r, quantization_for(config, quantization_config), on_tpu)
     return r, config
 
 

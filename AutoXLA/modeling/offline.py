@@ -27,7 +27,7 @@ from ..sharding.mesh import mesh_shape_for
 from .causal import causal_or_image_text_class
 from .choices import quantization_for
 from .empty import load_config
-from .pipeline import empty_model, pick_auto_class, quantize_on_meta
+from .pipeline import empty_model, pick_auto_class, quantize_layers
 from .segmentation import auto_classes
 
 # Files that are not weights or configs but make a checkpoint usable (its tokenizer): copied from
@@ -52,7 +52,7 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
         raise ValueError(f"{src} holds pickle weights (*.bin), which cannot be read one tensor at "
                          "a time; convert it to safetensors first (load and save_pretrained)")
     # the backend does not change what is stored; the format is chosen as from_pretrained does
-    quantize_on_meta(resolved, quantization_for(resolved.config, config), on_tpu=False)
+    quantize_layers(resolved, quantization_for(resolved.config, config), on_tpu=False)
     model = resolved.model
     # One device: the plan serves for its names, shapes, dtypes and sources, not for its specs.
     plan = build_plan(model, resolved.config, mesh_shape_for("fsdp", 1), "fsdp", resolved.dtype,

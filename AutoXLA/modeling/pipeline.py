@@ -184,12 +184,13 @@ def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
         stack_decoder(model, plan.stack, plan, mesh)
 
 
-def quantize_on_meta(resolved: Resolved, cfg, on_tpu: bool, calibration=None) -> None:
+def quantize_layers(resolved: Resolved, cfg, on_tpu: bool, calibration=None) -> None:
     """Step 2a: decide which layers are quantized to ``cfg`` (a QuantizationConfig, or None for
-    none) and how, then swap in QuantizedLinear layers while the model is still empty, so the
-    plan shows the quantized tensors and the loader fills them (quantizing float weights as they
-    stream). The decisions are ``resolved.quantization``. ``calibration``: what calibrating the
-    float model measured and chose (step 1b), recorded in the decisions.
+    none) and how, then swap in the quantized modules. from_pretrained does this while the model
+    is still empty, so the plan shows the quantized tensors and the loader fills them (quantizing
+    float weights as they stream); from_model on the built model, whose weights the C engine
+    quantizes in place. The decisions are ``resolved.quantization``. ``calibration``: what
+    calibrating the float model measured and chose (step 1b), recorded in the decisions.
     """
     if cfg is not None:
         quantizer = ModelQuantizer(cfg)
@@ -208,7 +209,7 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     qconfig, smoothing, calibration = resolved.choices.quantization, None, None
     if resolved.choices.calibration is not None:           # 1b. float model, calibrated, dropped
         qconfig, smoothing, calibration = calibrate_float(path, auto_class, opts, resolved, checkpoint)
-    quantize_on_meta(resolved, qconfig, backend.pallas_target(), calibration)   # 2a. quantize
+    quantize_layers(resolved, qconfig, backend.pallas_target(), calibration)   # 2a. quantize
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
     plan, mesh = make_plan(resolved)                                                 # 2. plan
     if opts.verbose:
@@ -268,11 +269,7 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
         raise ValueError("from_model does not calibrate: quantize the model first with "
                          "ModelQuantizer(config).quantize_model(model, calibration=...), or use "
                          "from_pretrained(..., calibration=...)")
-    if resolved.choices.quantization is not None:                           # 2a. quantize in C
-        quantizer = ModelQuantizer(resolved.choices.quantization)
-        resolved.quantization = quantizer.plan(resolved.model, resolved.tied,
-                                               backend.pallas_target())
-        quantizer.apply(resolved.model, resolved.quantization)
+    quantize_layers(resolved, resolved.choices.quantization, backend.pallas_target())  # 2a. in C
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
     plan, mesh = make_plan(resolved)                                                 # 2. plan
     if opts.verbose:
