@@ -1,53 +1,79 @@
-"""Step 4 of the pipeline: point a loaded model's attention at a kernel, layer by layer."""
+"""Which kernel each attention module runs: decided on the empty model (``plan_attention``, a
+value the Plan records), applied to the loaded one (``apply_attention``, step 4 of the pipeline)."""
 from __future__ import annotations
 
 from torch import nn
 
+from ..planning.plan import LayerAttentionPlan
 from ..sharding.configs import decoder_config
 from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
 from .hf import LayerAttention, register, warn_once
 
 
 def patch_attention(model: nn.Module, implementation: str, cfg: AttentionConfig, mesh) -> int:
-    """Routes the model's attention modules to ``implementation`` (a kernel name).
-
-    Layers outside ``cfg.layers`` keep the model's eager attention. Returns the number of
-    attention modules patched; a model with none that go through transformers' attention
-    interface is an error rather than a silent no-op.
-    """
+    """Routes the model's attention modules to ``implementation`` (a kernel name): the plan of
+    ``plan_attention``, applied at once (for a model patched after loading: kernels/attention).
+    Returns the number of attention modules patched."""
     if implementation not in KERNELS:
         raise ValueError(f"unknown attention kernel {implementation!r}; use one of {KERNELS}")
-    register()
-    cfg = cfg.with_mesh(mesh) if mesh is not None else cfg
+    return apply_attention(model, plan_attention(model, implementation, cfg), cfg, mesh)
+
+
+def plan_attention(model: nn.Module, implementation: str,
+                   cfg: AttentionConfig | None) -> LayerAttentionPlan | None:
+    """Which kernel each attention module of ``model`` will run (it may be empty: nothing is read
+    but its structure): ``implementation`` in the layers ``cfg.layers`` names (all by default),
+    the model's eager attention in the others, and in all of them when the model has attention
+    sinks, which no kernel implements; None for "eager" (nothing is patched). A model with no
+    attention module that goes through transformers' attention interface is an error rather
+    than a silent no-op."""
+    if implementation == "eager":
+        return None
+    cfg = cfg if cfg is not None else AttentionConfig()
+    if implementation not in KERNELS:
+        raise ValueError(f"unknown attention kernel {implementation!r}; use one of {KERNELS}")
     config = getattr(model, "config", None)
     decoder = decoder_config(config)
     # A vision-language model: only its text decoder's attention (the vision tower's is
     # bidirectional and stays eager).
-    modules = [m for m in model.modules() if _uses_attention_interface(m)
+    modules = [(path, m) for path, m in model.named_modules() if _uses_attention_interface(m)
                and (decoder is config or m.config is decoder)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module that goes through "
                          "transformers' AttentionInterface; use attn_implementation='eager'")
-    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for m in modules):
+    if any(isinstance(getattr(m, "sinks", None), nn.Parameter) for _, m in modules):
         # gpt-oss's attention sinks (a learned logit per head in every softmax): neither Pallas
         # kernel nor the portable path has them, and leaving them out would be silently wrong.
         warn_once(f"sinks-{implementation}", "attn_implementation=%r: attention sinks (gpt-oss) "
                   "are in neither Pallas kernel nor AutoXLA's portable path; the model runs its "
                   "eager attention", implementation)
-        for m in modules:
-            m.autoxla_attention = None
-        if config is not None:
-            set_decoder_attention(config, "eager")
-        return 0
-    layers = {m.layer_idx for m in modules if getattr(m, "layer_idx", None) is not None}
+        return LayerAttentionPlan("eager", {path: "eager" for path, _ in modules},
+                                  "attention sinks: no kernel has them")
+    layers = {m.layer_idx for _, m in modules if getattr(m, "layer_idx", None) is not None}
     cfg.check_layers(max(layers) + 1 if layers else 0)
+    chosen = {path: implementation if cfg.patches(getattr(m, "layer_idx", None)) else "eager"
+              for path, m in modules}
+    why = "" if cfg.layers is None else f"attention_config['layers'] = {list(cfg.layers)}"
+    return LayerAttentionPlan(implementation, chosen, why)
+
+
+def apply_attention(model: nn.Module, planned: LayerAttentionPlan, cfg: AttentionConfig,
+                    mesh) -> int:
+    """Points each attention module at the kernel ``planned`` gives it (None: the model's eager
+    attention) and the text decoder's config at the kernel's name. Returns how many run a
+    kernel."""
+    register()
+    if mesh is not None and planned.kernel != "eager":
+        cfg = cfg.with_mesh(mesh)
     patched = 0
-    for m in modules:
-        chosen = cfg.patches(getattr(m, "layer_idx", None))
-        m.autoxla_attention = LayerAttention(implementation, cfg, mesh) if chosen else None
+    for path, kernel in planned.modules.items():
+        chosen = kernel != "eager"
+        model.get_submodule(path).autoxla_attention = (
+            LayerAttention(kernel, cfg, mesh) if chosen else None)
         patched += chosen
+    config = getattr(model, "config", None)
     if config is not None:
-        set_decoder_attention(config, TRANSFORMERS_NAMES[implementation])
+        set_decoder_attention(config, TRANSFORMERS_NAMES.get(planned.kernel, "eager"))
     return patched
 
 

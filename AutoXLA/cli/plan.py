@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+from ..attention import IMPLEMENTATIONS, AttentionConfig
 from ..modeling.from_config import meta_model, plan_for_mesh
 from ..planning import plot
 from ..planning import request as forecast_request
@@ -51,6 +52,10 @@ def add_arguments(p) -> None:
                    "layer of an unrolled stack (a scanned one always is)")
     p.add_argument("--scan", action="store_true", help="plan the decoder stack scanned (the "
                    "default; --no-scan for unrolled)")
+    p.add_argument("--attention", default="eager", help="the attention kernel to plan: eager, "
+                   "xla_flash_attention or splash_attention (default eager)")
+    p.add_argument("--attention-layers", default=None, metavar="I,J,...", help="with --attention: "
+                   "the decoder layers that run it (attention_config['layers']; default all)")
     p.add_argument("--topology", default=None, help="a Cloud TPU slice, e.g. v5p-128, v5e-8, "
                    "v6e-256: sets --devices, compares the forecast with its HBM")
     p.add_argument("--headroom", type=float, default=forecast_request.DEFAULT_HEADROOM,
@@ -69,20 +74,21 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     qcfg = _quantization(args)
+    attention, attention_config = _attention(args)
     req = forecast_request.request(args)       # every flag checked before a model is built
     strategy = normalize_strategy(args.strategy)
     slices = _multislice(args, mesh_shape_for(strategy, req.devices))
     with forecast_request.one_thread():
         r, config = meta_model(args.path, args.dtype, qcfg, on_tpu=not args.cpu)
         mesh = mesh_shape_for(strategy, req.devices)
-        plan = plan_for_mesh(r, config, strategy, mesh, scan_layers=not args.no_scan)
-    if slices is not None:
-        plan.notes.append("links: " + slices.links(mesh))
+        plan = plan_for_mesh(r, config, strategy, mesh, not args.no_scan, attention,
+                             attention_config, slices)
     kv = _kv_cache(plan, args, req)
     comm = _communication(plan, args)
     fc = forecast_request.forecast(req, plan, config)
     ranking = forecast_request.recommend(req, lambda s, m: plan_for_mesh(
-        r, config, s, m, scan_layers=not args.no_scan), config) if req.recommend else None
+        r, config, s, m, not args.no_scan, attention, attention_config), config
+    ) if req.recommend else None
     if args.json:
         print(json.dumps(_as_dict(plan, kv, comm, req, fc, ranking), indent=1))
     else:
@@ -113,6 +119,24 @@ def _quantization(args):
     if args.block_size is not None or args.asym:
         raise ValueError("--block-size and --asym describe quantization: add --bits 8 or --bits 4")
     return None
+
+
+def _attention(args):
+    """--attention and --attention-layers: the kernel and its AttentionConfig, checked before a
+    model is built."""
+    if args.attention not in IMPLEMENTATIONS:
+        raise ValueError(f"--attention {args.attention!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    if args.attention_layers is None:
+        return args.attention, None
+    if args.attention == "eager":
+        raise ValueError("--attention-layers chooses the layers that run --attention's kernel: "
+                         "add --attention splash_attention or xla_flash_attention")
+    try:
+        layers = [int(i) for i in args.attention_layers.split(",")]
+    except ValueError:
+        raise ValueError(f"--attention-layers {args.attention_layers!r}: give layer indices "
+                         "separated by commas, e.g. 0,1,2") from None
+    return args.attention, AttentionConfig(layers=layers)
 
 
 def _kv_cache(plan, args, req):

@@ -8,6 +8,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.initialization import no_init_weights
 
+from ..attention import AttentionConfig
+from ..attention.patch import plan_attention
 from ..loading.checkpoint import require_path_or_hub_id
 from ..planning.model_configs import shipped_config_dir
 from ..planning.plan import build_plan
@@ -25,7 +27,8 @@ DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
 
 
 def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, dtype=None,
-                     quantization_config=None, on_tpu: bool = True, scan_layers: bool = True):
+                     quantization_config=None, on_tpu: bool = True, scan_layers: bool = True,
+                     attn_implementation: str = "eager", attention_config=None):
     """The Plan of a causal LM or segmentation checkpoint, from its config on the meta device.
 
     The model class is the one from_pretrained would build: a causal LM or image-text-to-text
@@ -34,7 +37,8 @@ def plan_from_config(path_or_config, strategy: str = "fsdp", devices: int = 8, d
     """
     strategy = normalize_strategy(strategy)
     r, config = meta_model(path_or_config, dtype, quantization_config, on_tpu)
-    return plan_for_mesh(r, config, strategy, mesh_shape_for(strategy, devices), scan_layers)
+    return plan_for_mesh(r, config, strategy, mesh_shape_for(strategy, devices), scan_layers,
+                         attn_implementation, attention_config)
 
 
 def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: bool = True):
@@ -65,7 +69,13 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
     return r, config
 
 
-def plan_for_mesh(r, config, strategy: str, mesh, scan_layers: bool = True):
-    """The Plan of ``meta_model``'s model on ``mesh`` (one model serves many meshes)."""
+def plan_for_mesh(r, config, strategy: str, mesh, scan_layers: bool = True,
+                  attn_implementation: str = "eager", attention_config=None, multislice=None):
+    """The Plan of ``meta_model``'s model on ``mesh`` (one model serves many meshes), with the
+    attention kernel each layer would run (``attention_config``: an AttentionConfig or its
+    dict, as from_pretrained takes it) and the links of the ``multislice`` it spans."""
+    layer_attention = plan_attention(r.model, attn_implementation,
+                                     AttentionConfig.from_any(attention_config))
     return build_plan(r.model, config, mesh, strategy, r.dtype, r.tied, scan_layers=scan_layers,
-                      quantization=r.quantization)
+                      quantization=r.quantization, layer_attention=layer_attention,
+                      multislice=multislice)

@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from .. import backend, generation, moe
-from ..attention import patch_attention
 from ..attention.config import TRANSFORMERS_NAMES
 from ..attention.hf import register as register_attention
-from ..attention.patch import set_decoder_attention
+from ..attention.patch import apply_attention, plan_attention, set_decoder_attention
 from ..generation import compile_cache
 from ..loading import checkpoint as ckpt
 from ..loading.execute import load, place
@@ -150,38 +149,40 @@ def patch_linears(model: nn.Module, opts: LoadOptions) -> None:
 
 
 def make_plan(resolved: Resolved):
-    """Step 2: the mesh and the plan of every tensor on it."""
+    """Step 2: the mesh and the plan of every tensor on it, of each attention module's kernel
+    and of the decoder stack."""
     choices = resolved.choices
+    layer_attention = plan_attention(resolved.model, choices.attention, choices.attention_config)
     if choices.mesh is not None:
         shape, mesh = backend.adopt_user_mesh(choices.mesh)
     else:
         shape = mesh_shape_for(choices.strategy, backend.device_count())
         mesh = backend.make_mesh(shape, choices.multislice)
-    plan = build_plan(resolved.model, resolved.config, shape, choices.strategy, resolved.dtype,
-                      resolved.tied, scan_layers=choices.scan_layers,
-                      quantization=resolved.quantization)
-    if choices.multislice is not None:
-        plan.notes.append("links: " + choices.multislice.links(shape))
     host = backend.current_host()
-    if host.simulated:
-        plan.simulated_host = f"{host.index}/{host.count}"
-        warnings.warn(f"AUTOXLA_SIMULATE_HOST={plan.simulated_host}: this process loads the shards "
+    simulated = f"{host.index}/{host.count}" if host.simulated else None
+    if simulated:
+        warnings.warn(f"AUTOXLA_SIMULATE_HOST={simulated}: this process loads the shards "
                       f"of simulated host {host.index} of {host.count} only; the other devices hold "
                       "NaN, so outputs are not meaningful (a multi-host test setting; unset it to "
                       "run the model)", RuntimeWarning, stacklevel=3)
+    plan = build_plan(resolved.model, resolved.config, shape, choices.strategy, resolved.dtype,
+                      resolved.tied, scan_layers=choices.scan_layers,
+                      quantization=resolved.quantization, layer_attention=layer_attention,
+                      multislice=choices.multislice, simulated_host=simulated)
     return plan, mesh
 
 
 def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
     """Step 4b: a decoder stack the plan scans gets its layers' tensors stacked (modeling/scan.py).
-    The plan decided from the empty model; the attention patch may since have made some layers
-    differ (attention_config's layers), which the plan then records as the reason."""
+    The plan checked the layers with the attention kernels it gave them; they are checked again
+    as patched, since one compiled step runs them all."""
     if plan.stack is None or not plan.stack.scanned:
         return
-
-    plan.stack = plan.stack.rechecked(find_stack(model)[1])
-    if plan.stack.scanned:
-        stack_decoder(model, plan.stack, plan, mesh)
+    if plan.stack.rechecked(find_stack(model)[1]) != plan.stack:
+        raise RuntimeError(f"AutoXLA's plan scans {plan.stack.path}, but its layers differ once "
+                           "patched; please report this with the model's config. "
+                           "scan_layers=False loads it meanwhile")
+    stack_decoder(model, plan.stack, plan, mesh)
 
 
 def quantize_layers(resolved: Resolved, cfg, on_tpu: bool, calibration=None) -> None:
@@ -280,8 +281,8 @@ def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
 
 def _finish(resolved: Resolved, plan: Plan, mesh, opts: LoadOptions) -> nn.Module:
     model, choices = resolved.model, resolved.choices
-    if choices.attention != "eager":                                                # 4. patch
-        patch_attention(model, choices.attention, choices.attention_config, mesh)
+    if plan.layer_attention is not None:                                            # 4. patch
+        apply_attention(model, plan.layer_attention, choices.attention_config, mesh)
     moe.place(model, plan)                 # 4. mixture-of-experts layers: the plan's split
     stack_layers(model, plan, mesh)                                           # 4b. scan
     if plan.attention is not None:           # 4c. plain forwards: XLA-safe sliding cache layers

@@ -56,6 +56,28 @@ class TensorPlan:
         return format_spec(self.spec)
 
 
+@dataclass(frozen=True)
+class LayerAttentionPlan:
+    """The attention kernel of each attention module, decided on the empty model
+    (attention/patch.py ``plan_attention``) and applied once the weights are loaded."""
+
+    kernel: str                   # what the text decoder's config names: the kernel, or "eager"
+    modules: dict[str, str]       # attention module path -> its kernel, or "eager" (the model's)
+    reason: str = ""              # why some or all of them stay eager
+
+    def describe(self) -> str:
+        eager = [p for p, k in self.modules.items() if k == "eager"]
+        if not eager:
+            return f"attention: {self.kernel} in all {len(self.modules)} attention modules"
+        if len(eager) == len(self.modules):
+            return (f"attention: the model's eager attention in all {len(eager)} attention "
+                    f"modules ({self.reason})")
+        shown = ", ".join(eager[:4]) + (f" and {len(eager) - 4} more" if len(eager) > 4 else "")
+        return (f"attention: {self.kernel} in {len(self.modules) - len(eager)} of "
+                f"{len(self.modules)} attention modules; the model's eager attention in {shown} "
+                f"({self.reason})")
+
+
 @dataclass
 class Plan:
     model_class: str
@@ -72,6 +94,9 @@ class Plan:
     # "i/P" when this process stands in for host i of P (AUTOXLA_SIMULATE_HOST, tests only): it
     # loads that host's shards only and every other device holds NaN.
     simulated_host: str | None = None
+    # The kernel each attention module runs, when the user asked for one (None: the model's own
+    # attention throughout, unpatched).
+    layer_attention: LayerAttentionPlan | None = None
 
     def __getitem__(self, name: str) -> TensorPlan:
         index = self._by_name()
@@ -148,6 +173,8 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mesh"] = dict(zip(AXES, self.mesh.sizes))
+        if self.layer_attention is None:    # added after format 1: present only when set
+            del d["layer_attention"]
         d["format_version"] = 1
         return d
 
@@ -185,6 +212,8 @@ class Plan:
         if any(t.backend for t in self.tensors):
             lines.append(f"{self._quantized_count()} quantized; their scales and zero points "
                          "included above")
+        if self.layer_attention is not None:
+            lines.append(self.layer_attention.describe())
         if self.stack is not None:
             lines.append(self.stack.describe())
         if self.attention is not None:
@@ -209,7 +238,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
                dtype: torch.dtype | None = None, tied: dict[str, str] | None = None,
-               scan_layers: bool = True, quantization=None) -> Plan:
+               scan_layers: bool = True, quantization=None,
+               layer_attention: LayerAttentionPlan | None = None, multislice=None,
+               simulated_host: str | None = None) -> Plan:
     """The plan for ``model`` (usually on the meta device) on a mesh of shape ``mesh``.
 
     ``tied`` maps a tensor name to the name whose storage it shares (transformers' tied weights);
@@ -217,6 +248,10 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
     ``quantization``: the QuantizationReport the model's layers were quantized by
     (quantization/decisions.py; None for a float model), whose formats, backends and notes the
     plan records as they were decided, not as read back off the swapped modules.
+    ``layer_attention``: the kernel each attention module will run (attention/patch.py), which
+    the decoder stack is checked with before any module is patched. ``multislice``: the
+    sharding.multislice.MultiSlice the mesh spans, whose links the notes name;
+    ``simulated_host``: "i/P" when this process stands in for host i of P (tests).
     """
     tied = dict(tied or {})
     output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -249,13 +284,17 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
     attention = _attention(model, config)
     notes = report.notes() if report is not None else []
     notes += _experts_notes(list(entries.values()), mesh)
+    if multislice is not None:
+        notes.append("links: " + multislice.links(mesh))
     return Plan(model_class=type(model).__name__, strategy=strategy, mesh=mesh,
                 dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
                 tensors=list(entries.values()),
                 notes=notes,
                 quantization=report.config.to_dict() if report is not None else None,
                 attention=attention,
-                stack=plan_stack(model, scan_layers) if attention is not None else None)
+                stack=plan_stack(model, scan_layers, layer_attention and layer_attention.modules)
+                if attention is not None else None,
+                layer_attention=layer_attention, simulated_host=simulated_host)
 
 
 def _experts_notes(tensors: list[TensorPlan], mesh: MeshShape) -> list[str]:

@@ -56,14 +56,15 @@ class StackPlan:
     def unrolled(self, reason: str) -> "StackPlan":
         return dataclasses.replace(self, scanned=False, reason=reason)
 
-    def rechecked(self, layers) -> "StackPlan":
-        """This plan for ``layers`` as they are now (an attention patch may have left some of
-        them eager since the plan was made): itself while they still repeat from its start with
-        its group, else unrolled, saying why (``start`` is kept: a stack already built keeps
-        the layers before it unstacked)."""
+    def rechecked(self, layers, planned: list[dict] | None = None) -> "StackPlan":
+        """This plan for ``layers`` as they are now, or (``planned``: per layer, the attributes
+        the attention patch will set, by module name in the layer) as they will be once some of
+        them run a kernel and others stay eager: itself while they still repeat from its start
+        with its group, else unrolled, saying why (``start`` is kept: a stack already built
+        keeps the layers before it unstacked)."""
         if not self.scanned:
             return self
-        start, group, reason = repeating_group(list(layers))
+        start, group, reason = repeating_group(list(layers), planned)
         if not group:
             return self.unrolled(reason)
         if (start, group) != (self.start, self.group):
@@ -87,8 +88,14 @@ def find_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     return found[0] if len(found) == 1 else None
 
 
-def plan_stack(model: nn.Module, enabled: bool = True) -> StackPlan | None:
-    """The StackPlan of ``model``'s decoder stack (None when it has no single one)."""
+def plan_stack(model: nn.Module, enabled: bool = True,
+               attention: dict[str, str] | None = None) -> StackPlan | None:
+    """The StackPlan of ``model``'s decoder stack (None when it has no single one).
+
+    ``attention``: the kernel each attention module will run, by its path ("eager": the model's
+    own), when the layers do not all run the same one (attention_config['layers']): the stack
+    is then checked as it will be once patched, and runs unrolled if they no longer repeat (as
+    a model patched after it was stacked does: ``rechecked``)."""
     found = find_stack(model)
     if found is None:
         return None
@@ -101,8 +108,22 @@ def plan_stack(model: nn.Module, enabled: bool = True) -> StackPlan | None:
         called = how_layers_are_called(model, path, len(layers))
         if called:
             return plan.unrolled(called)
-        return dataclasses.replace(plan, group=group, scanned=True, start=start, reason=reason)
+        plan = dataclasses.replace(plan, group=group, scanned=True, start=start, reason=reason)
+        if attention and len(set(attention.values())) > 1:
+            plan = plan.rechecked(layers, _planned_attention(path, len(layers), attention))
+        return plan
     return plan.unrolled(reason)
+
+
+def _planned_attention(path: str, n: int, attention: dict[str, str]) -> list[dict]:
+    """Per layer of the stack at ``path``: {module name in the layer: the attribute the attention
+    patch sets on it} (attention/hf.py's ``autoxla_attention``; None on an eager layer)."""
+    planned = []
+    for i in range(n):
+        prefix = f"{path}.{i}."
+        planned.append({p[len(prefix):]: {"autoxla_attention": None if k == "eager" else k}
+                        for p, k in attention.items() if p.startswith(prefix)})
+    return planned
 
 
 def how_layers_are_called(model: nn.Module, path: str, n: int) -> str:
@@ -163,7 +184,8 @@ class _PassThrough(nn.Module):
         return hidden
 
 
-def repeating_group(layers: list[nn.Module]) -> tuple[int, int, str]:
+def repeating_group(layers: list[nn.Module], planned: list[dict] | None = None
+                    ) -> tuple[int, int, str]:
     """(start, group, why layers 0..start-1 are apart or ""): layers start.. repeat every
     ``group`` layers, at least twice. The smallest start wins, then the smallest group; the
     prefix is at most half the layers (past that, little is left to loop over).
@@ -171,7 +193,7 @@ def repeating_group(layers: list[nn.Module]) -> tuple[int, int, str]:
     n = len(layers)
     if n < 2:
         return 0, 0, "a single layer: nothing to loop over"
-    signatures = [signature(m) for m in layers]
+    signatures = [signature(m, planned[i] if planned else None) for i, m in enumerate(layers)]
     for start in range(n // 2 + 1):
         rest = signatures[start:]
         for period in range(1, len(rest) // 2 + 1):
@@ -195,11 +217,12 @@ def _apart(signatures: list, start: int, group: int) -> str:
     return f"layers {last}..{len(signatures) - 1} are not whole groups of {group}"
 
 
-def signature(layer: nn.Module) -> list:
-    """What must be equal for two layers to run as the same compiled step."""
+def signature(layer: nn.Module, planned: dict | None = None) -> list:
+    """What must be equal for two layers to run as the same compiled step (``planned``: the
+    attributes a patch will set, by module name in the layer, as if already set)."""
     out = []
     for name, m in layer.named_modules():
-        attrs = {k: _key(v) for k, v in vars(m).items()
+        attrs = {k: _key(v) for k, v in {**vars(m), **(planned or {}).get(name, {})}.items()
                  if not k.startswith("_") and k not in _PER_LAYER}
         tensors = [(k, tuple(t.shape), str(t.dtype)) for k, t in
                    list(m._parameters.items()) + list(m._buffers.items()) if t is not None]

@@ -9,6 +9,7 @@ import torch
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
+from AutoXLA.modeling.from_config import plan_from_config
 from AutoXLA.quantization import QuantizationConfig
 from AutoXLA.testing.tiny import available_families, save_tiny_checkpoint
 from tests.conftest import reference_loader
@@ -153,6 +154,12 @@ def test_attention_on_some_layers_only_unrolls_with_the_reason(deep, xla_devices
     stack = model.autoxla_plan.stack
     assert not stack.scanned and "autoxla_attention" in stack.reason
     assert stack.describe() in str(model.autoxla_plan)
+    # What the loader ran is what `autoxla plan` previews from the config alone.
+    preview = plan_from_config(deep["llama"], "fsdp", 8, attn_implementation="splash_attention",
+                               attention_config={"layers": [0, 1]})
+    assert (preview.stack, preview.layer_attention) == (stack, model.autoxla_plan.layer_attention)
+    patched = {n for n, m in model.named_modules() if getattr(m, "autoxla_attention", None)}
+    assert patched == {p for p, k in preview.layer_attention.modules.items() if k != "eager"}
 
 
 def test_hidden_states_fall_back_to_the_layers_one_by_one(deep, deep_reference, batch, xla_devices):

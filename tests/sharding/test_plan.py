@@ -124,3 +124,42 @@ def test_plan_says_whether_the_decoder_stack_is_scanned(tmp_path):
     off = plan_from_config(tiny_config("llama"), "fsdp", 8, scan_layers=False)
     assert not off.stack.scanned and off.stack.reason == "scan_layers=False"
     assert plan_from_config(tiny_config("llama"), "fsdp", 8).to_dict()["stack"]["scanned"]
+
+
+def test_plan_gives_each_attention_module_its_kernel_and_scans_only_if_they_still_repeat(checkpoints):
+    # Decided on the empty model, before anything is patched: the loader applies this plan, and
+    # `autoxla plan` previews the same one (the stack included).
+    from AutoXLA.testing.tiny import tiny_config
+
+    config = tiny_config("llama", num_hidden_layers=4)
+    everywhere = plan_from_config(config, "fsdp", 8, attn_implementation="splash_attention")
+    assert set(everywhere.layer_attention.modules.values()) == {"splash_attention"}
+    assert len(everywhere.layer_attention.modules) == 4 and everywhere.stack.scanned
+    assert "attention: splash_attention in all 4 attention modules" in str(everywhere)
+
+    some = plan_from_config(config, "fsdp", 8, attn_implementation="splash_attention",
+                            attention_config={"layers": [0, 1]})
+    assert [some.layer_attention.modules[f"model.layers.{i}.self_attn"] for i in range(4)] == [
+        "splash_attention", "splash_attention", "eager", "eager"]
+    # Layers 0-1 and 2-3 differ once patched: one compiled step cannot run them all.
+    assert not some.stack.scanned and "self_attn.autoxla_attention" in some.stack.reason
+    assert ("splash_attention in 2 of 4 attention modules; the model's eager attention in "
+            "model.layers.2.self_attn, model.layers.3.self_attn (attention_config['layers'] = "
+            "[0, 1])") in str(some)
+    assert json.loads(some.to_json())["layer_attention"]["modules"] == some.layer_attention.modules
+    # An eager plan is the plan as before: no key for what it does not patch.
+    assert "layer_attention" not in json.loads(plan_from_config(config, "fsdp", 8).to_json())
+    with pytest.raises(ValueError, match=r"names layer 7, but the model has 4 layers"):
+        plan_from_config(config, "fsdp", 8, attn_implementation="splash_attention",
+                         attention_config={"layers": [7]})
+
+
+def test_cli_plan_shows_the_attention_of_each_layer(capsys, checkpoints):
+    assert main(["plan", str(checkpoints["llama"]), "--attention", "xla_flash_attention",
+                 "--attention-layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "xla_flash_attention in 1 of 2 attention modules" in out
+    assert main(["plan", str(checkpoints["llama"]), "--attention", "flash"]) == 2
+    assert "--attention 'flash' is not one of eager, xla_flash_attention" in capsys.readouterr().err
+    assert main(["plan", str(checkpoints["llama"]), "--attention-layers", "0"]) == 2
+    assert "add --attention splash_attention" in capsys.readouterr().err
