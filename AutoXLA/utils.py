@@ -20,6 +20,7 @@ from . import saving
 from .modeling.empty import parameters_on_meta
 from .quantization import ModelQuantizer
 from .quantization.packing import dequantize as dequantize_weight
+from .state import state_of
 
 __all__ = ["prepare_model_for_checkpoint"]
 
@@ -42,7 +43,7 @@ def prepare_model_for_checkpoint(model: nn.Module, dequantize: bool = True) -> n
         raise TypeError(f"prepare_model_for_checkpoint needs a transformers model, got "
                         f"{type(inner).__name__}; a model built in code saves with AutoXLA's "
                         "model.save_pretrained(directory)")
-    report = getattr(inner, "autoxla_quantization", None)
+    report = state_of(inner).quantization
     dtype = _float_dtype(inner)
     config = copy.deepcopy(config)
     config._attn_implementation = "eager"      # transformers' setter covers the sub-configs too
@@ -97,7 +98,7 @@ def _quantize_like(plain: nn.Module, report) -> None:
     quantized tensors fill them), with a CPU backend."""
     tied = plain.get_expanded_tied_weights_keys(all_submodels=True)
     ModelQuantizer(report.config).quantize_model(plain, tied=tied, on_tpu=False)
-    chosen = set(plain.autoxla_quantization.layers)
+    chosen = set(state_of(plain).quantization.layers)
     if chosen != set(report.layers):
         raise RuntimeError(f"internal error: quantizing the CPU copy chose {len(chosen)} layers, "
                            f"the model has {len(report.layers)} quantized; please report")

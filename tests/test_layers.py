@@ -60,3 +60,23 @@ def test_the_users_choices_are_read_in_one_place():
                     and node.value.id == "opts"):
                 readers.add(str(path.relative_to(ROOT)))
     assert readers == {"AutoXLA/modeling/choices.py"}, readers
+
+
+def test_the_models_state_has_one_holder():
+    """What AutoXLA records on a model (plan, mesh, quantization report, last generate, load
+    stats, wrapped module) is written by AutoXLA/state.py alone, which sets the holder and the
+    attribute users read in one step, and read through the holder: no ``autoxla_plan``-style
+    attribute is read or written anywhere else in the package (getattr with the name included)."""
+    from AutoXLA.state import LEGACY_NAMES
+
+    names = set(LEGACY_NAMES.values())
+    found = []
+    for path in sorted((ROOT / "AutoXLA").rglob("*.py")):
+        if path.name == "state.py" and path.parent.name == "AutoXLA":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}")
+    assert not found, found

@@ -14,6 +14,7 @@ import torch
 from .. import backend
 from ..modeling import AutoXLAModelForCausalLM
 from ..quantization import QuantizationConfig
+from ..state import state_of
 from ..testing.real_model import chat_prompt, smollm2_checkpoint
 
 PROMPT = "Write two sentences about the ocean."
@@ -44,7 +45,7 @@ def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
     tokenizer = AutoTokenizer.from_pretrained(path)
     t0 = time.perf_counter()
     model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy=strategy)
-    plan = model.autoxla_plan
+    plan = state_of(model).plan
     print(f"plan: {plan.summary()}")
     print(f"      {plan.kv_cache(1, 128).describe(plan.mesh)}")
     print(f"      (every tensor: autoxla plan {path} --strategy {strategy})")
@@ -57,7 +58,7 @@ def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
     compiles = backend.compile_count()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     got = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **args)
-    stats = model.autoxla_last_generate
+    stats = state_of(model).last_generate
     _, decode_tps = stats.throughput(ids.shape[1])
     print(f"({got.shape[1] - ids.shape[1]} new tokens; {backend.compile_count() - compiles} "
           f"programs compiled; decode {decode_tps:.1f} tokens/s on XLA:CPU after compilation)")
@@ -89,7 +90,7 @@ def _quantized(path, strategy, reference, tokenizer, ids, mask, args) -> bool:
         model = AutoXLAModelForCausalLM.from_pretrained(
             path, sharding_strategy=strategy, do_quant=True,
             quantization_config=QuantizationConfig(bits=8, use_pallas=True))
-    report = str(model.autoxla_quantization).splitlines()
+    report = str(state_of(model).quantization).splitlines()
     print("\n".join(report[:3] + (["  ..."] if len(report) > 3 else [])))
     with torch.no_grad():
         dev = backend.device()

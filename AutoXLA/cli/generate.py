@@ -15,6 +15,7 @@ from ..modeling import AutoXLAModelForCausalLM
 from ..modeling.from_config import DTYPE_NAMES as dtypes
 from ..quantization import QuantizationConfig
 from ..sharding.hosts import SIMULATE_ENV
+from ..state import state_of
 from ..testing.real_model import chat_prompt
 
 
@@ -70,7 +71,7 @@ def run(args) -> int:
         args.path, sharding_strategy=args.strategy, dtype=dtype, quantization_config=quant,
         attn_implementation=args.attention, compile_cache=args.compile_cache)
     load_seconds = time.perf_counter() - t0
-    print(f"plan: {model.autoxla_plan.summary()}", flush=True)
+    print(f"plan: {state_of(model).plan.summary()}", flush=True)
     templated = not args.raw and bool(tokenizer.chat_template)
     text = chat_prompt(tokenizer, args.prompt) if templated else args.prompt
     # The template already holds the special tokens; a raw prompt gets the tokenizer's own.
@@ -82,7 +83,7 @@ def run(args) -> int:
     out = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
                          max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                          seed=args.seed, streamer=streamer, **sampling)
-    stats = model.autoxla_last_generate
+    stats = state_of(model).last_generate
     new = out.shape[1] - ids["input_ids"].shape[1]
     prompt_len = ids["input_ids"].shape[1]
     prefill_tps, decode_tps = stats.throughput(prompt_len)

@@ -20,6 +20,7 @@ import torch
 from .. import backend
 from ..modeling import AutoXLAModelForCausalLM, wrap
 from ..planning.hlo import BufferStats, Collective, buffer_stats, collectives, parameter_buffers
+from ..state import state_of
 
 
 @dataclass
@@ -134,7 +135,7 @@ def _child(path, strategy, batch, seq, mode, *flags):
         ids = torch.randint(3, 200, (int(batch), int(seq)),
                             generator=torch.Generator().manual_seed(0))
         model.generate(ids, max_new_tokens=3, do_sample=False)
-        s = model.autoxla_last_generate
+        s = state_of(model).last_generate
         print(json.dumps({"batch": s.batch_bucket, "length": s.cache_length}))
         return
     # Unrolled: a scanned stack's loop body holds one layer's collectives, run L times.
@@ -142,7 +143,7 @@ def _child(path, strategy, batch, seq, mode, *flags):
                                                     scan_layers=False)
     backend.sync()
     if "megatron-activations" in flags:
-        mesh = model.autoxla_mesh
+        mesh = state_of(model).mesh
         model.get_input_embeddings().register_forward_hook(
             lambda _m, _i, out: wrap.shard_output(out, mesh))
     ids = torch.randint(3, 200, (int(batch), int(seq)), generator=torch.Generator().manual_seed(0))

@@ -17,6 +17,7 @@ from ..modeling import AutoXLAModelForCausalLM, AutoXLAModelForImageSegmentation
 from ..modeling.causal import causal_or_image_text_class
 from ..modeling.empty import load_config
 from ..modeling.segmentation import auto_classes
+from ..state import state_of
 from . import vision
 from .formats import AUTOXLA, FLOAT, FORMATS, LLAMA_CPP, Format, parse_formats
 from .llama_cpp import gguf_type, reference_checkpoint
@@ -121,7 +122,7 @@ def _bytes_per_weight(model, fmt: Format) -> float:
     the float model and the llama.cpp formats' float copy (the caller replaces the latter)."""
     import torch
 
-    plan = model.autoxla_plan
+    plan = state_of(model).plan
     if fmt.kind != AUTOXLA:
         return torch.empty((), dtype=getattr(torch, plan.dtype)).element_size()
     # A quantized weight's entry carries the float shape it stands for; its scale and zero point

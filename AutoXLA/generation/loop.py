@@ -19,6 +19,7 @@ import torch
 
 from .. import backend
 from ..saving import unwrap
+from ..state import record_state, state_of
 from . import validate
 from .buckets import GenerationOptions
 from .cache import allocate
@@ -120,8 +121,9 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     validate.check_length(hf.config, options, length, request.max_new_tokens)
     bb, pb = options.batch_bucket(batch), options.prompt_bucket(length)
     cache_length = options.cache_length(pb, request.max_new_tokens)
-    kv = model.autoxla_plan.kv_cache(bb, cache_length, dtype=_activation_dtype(hf))
-    validate.check_memory(kv, model.autoxla_plan.mesh)
+    plan = state_of(model).plan
+    kv = plan.kv_cache(bb, cache_length, dtype=_activation_dtype(hf))
+    validate.check_memory(kv, plan.mesh)
     prompt = pad_prompt(ids, mask, bb, pb, cache_length, request.fill_token_id)
     stats = Stats(bb, pb, cache_length)
     if streamer is not None:
@@ -129,7 +131,7 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     with backend.device_owner():          # one generating thread at a time (docs/generation.md)
         new = _run(model, prompt, request, kv, options, streamer, stats, batch,
                    _stop_after or request.max_new_tokens)
-        model.autoxla_last_generate = stats
+        record_state(model, last_generate=stats)
     return torch.cat([ids, new], dim=1).to(out_device)
 
 
@@ -143,7 +145,7 @@ def _activation_dtype(hf) -> torch.dtype:
 def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streamer, stats: Stats,
          batch: int, steps: int) -> torch.Tensor:
     dev = backend.device()
-    mesh = model.autoxla_mesh
+    mesh = state_of(model).mesh
     cache = allocate(kv, mesh, dev, stacked=_scanned(model))
     # Inputs from the host are replicated from the start: a tensor first used by the first
     # decode step would otherwise enter it unsharded and every later step replicated, two
@@ -226,7 +228,7 @@ def _logits_kwargs(model) -> dict:
 
 
 def _scanned(model) -> bool:
-    stack = model.autoxla_plan.stack
+    stack = state_of(model).plan.stack
     return stack is not None and stack.scanned
 
 

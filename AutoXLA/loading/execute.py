@@ -18,6 +18,7 @@ from ..planning.plan import Plan
 from ..quantization.experts import quantize_experts
 from ..quantization.linear import stored_tensors
 from ..quantization.weights import quantize_tensor
+from ..state import record_state, state_of
 from . import checkpoint as ckpt
 from . import streaming
 from .converted import compose
@@ -91,7 +92,7 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
     host = host or backend.current_host()
     state = (ckpt.load_pickle_state(checkpoint.pickle_files, checkpoint.pickle_map)
              if checkpoint.is_pickle else None)
-    report = getattr(model, "autoxla_quantization", None)
+    report = state_of(model).quantization
     progress = _progress(plan, verbose)
     smoothed = smoothing.tensor_names() if smoothing is not None else set()
     stats = LoadStats(host, checkpoint_bytes=sum(r.nbytes for r in checkpoint.records.values()))
@@ -146,7 +147,7 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
             if p.device.type == "meta"]
     if left:
         raise RuntimeError(f"internal error: {left[:5]} were planned but not loaded; please report")
-    model.autoxla_load = stats
+    record_state(model, load=stats)
     if not host.is_everything:
         logger.info("%s", stats)
 

@@ -20,6 +20,7 @@ from ..planning.plan import Plan, build_plan
 from ..quantization import ModelQuantizer, sensitivity
 from ..sharding.decoder_stack import find_stack
 from ..sharding.mesh import mesh_shape_for
+from ..state import state_of
 from . import dynamic_cache
 from . import wrap as wrapping
 from .choices import Choices, choose
@@ -137,7 +138,7 @@ def adopt(model: nn.Module, opts: LoadOptions) -> Resolved:
     model.eval()
     config = getattr(model, "config", None)
     # A model the user quantized (ModelQuantizer) carries the report of its decisions.
-    return Resolved(config, model, dtype, tied, getattr(model, "autoxla_quantization", None),
+    return Resolved(config, model, dtype, tied, state_of(model).quantization,
                     choose(config, opts, checkpoint=False))
 
 

@@ -9,6 +9,7 @@ from torch import nn
 from .. import backend, saving
 from ..sharding import rules
 from ..sharding.mesh import AXES, MeshShape
+from ..state import record_state
 from .scan import StackedDecoderLayers, stack_of
 
 
@@ -98,8 +99,7 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
             raise ValueError(f"gradient_checkpointing=True needs decoder layers, and "
                              f"{type(model).__name__} declares none (_no_split_modules)")
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
-    model.autoxla_plan = plan
-    model.autoxla_mesh = mesh
+    record_state(model, plan=plan, mesh=mesh)
     saving.attach(model)
     _shard_gradients_like_parameters(model, mesh)
     if stack is not None:
@@ -133,7 +133,5 @@ def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
             return FSDPv2(checkpoint_module(m), *args, **kwargs)
     wrapped = FSDPv2(model, mesh=mesh, shard_output=opts.shard_output_callable or shard_output,
                      auto_wrap_policy=policy, auto_wrapper_callable=wrapper_cls)
-    wrapped.autoxla_plan = plan
-    wrapped.autoxla_mesh = mesh
-    wrapped.autoxla_module = model
+    record_state(wrapped, plan=plan, mesh=mesh, module=model)
     return saving.attach(wrapped)

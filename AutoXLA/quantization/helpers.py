@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from ..state import state_of
 from .config import QuantizationConfig
 from .quantizer import ModelQuantizer, get_model_size
 
@@ -42,7 +43,7 @@ def quantize_llm(model: nn.Module, n_bits: int = 8, block_size: int = -1, symmet
                                 quantize_activation=quantize_activation, use_pallas=use_pallas,
                                 auto_tune_block_sizes=auto_tune_block_sizes, pack_4bit=pack_4bit)
     model = ModelQuantizer(config).quantize_model(model)
-    report = model.autoxla_quantization
+    report = state_of(model).quantization
     logger.info("quantize_llm: model weights %.2f MiB -> %.2f MiB (%.2fx smaller)",
                 report.bytes_before / 2**20, report.bytes_after / 2**20,
                 report.bytes_before / max(report.bytes_after, 1))

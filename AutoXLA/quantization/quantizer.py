@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import moe, saving
 from ..module_swap import repointing_references
+from ..state import record_state
 from . import sensitivity
 from .calibration import CalibrationConfig
 from .config import QuantizationConfig
@@ -94,7 +95,7 @@ class ModelQuantizer:
         with repointing_references(model):
             self._swap(model, report)
         report.bytes_after = _weight_bytes(model)
-        model.autoxla_quantization = report
+        record_state(model, quantization=report)
         saving.attach(model)   # transformers' own save would drop the quantization config
         logger.info("%s", report)
         return model

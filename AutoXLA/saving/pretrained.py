@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..planning.plan import persistent_buffer_names
+from ..state import state_of
 from .journal import _DEFAULT_SHARD, parse_size, shard_groups, write_checkpoint
 
 # FSDPv2 wraps each decoder layer and keeps it as `_orig_module`: saved names drop it.
@@ -22,7 +23,7 @@ _FSDP_WRAPPED = "_orig_module."
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside an FSDPv2 wrapper (or the model itself)."""
-    return getattr(model, "autoxla_module", None) or model
+    return state_of(model).module or model
 
 
 def saved_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -98,7 +99,7 @@ def generation_json(model: nn.Module) -> str | None:
 def config_json(model: nn.Module) -> str:
     config = model.config
     d = json.loads(config.to_json_string(use_diff=False))
-    report = getattr(model, "autoxla_quantization", None)
+    report = state_of(model).quantization
     if report is not None:
         d["quantization_config"] = report.config.to_dict()
     else:

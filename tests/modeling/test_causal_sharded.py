@@ -37,6 +37,11 @@ def test_logits_and_sharding_match(family, strategy, fsdp_wrap, checkpoints, ref
                  what=f"{family}/{strategy} logits, batch 8")
 
     plan = model.autoxla_plan
+    # The names users read are views of the one holder (AutoXLA/state.py), wrapper or not.
+    inner = model.autoxla_module if fsdp_wrap else model
+    assert (model.autoxla.plan, model.autoxla.mesh, model.autoxla.module) == (
+        plan, model.autoxla_mesh, inner if fsdp_wrap else None)
+    assert inner.autoxla.plan is plan and inner.autoxla.load is inner.autoxla_load is not None
     n = check_sharding_matches_plan(model, plan, model.autoxla_mesh)
     assert n == len(plan.parameters) > 0
     for t in plan.replicated_for_divisibility:

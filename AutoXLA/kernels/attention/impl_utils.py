@@ -43,6 +43,7 @@ from ...sharding.configs import decoder_config
 # from_pretrained's own reading of the original's attention_layer_indices / attention_partition_spec
 from ...modeling.options import fold_original_attention_keywords
 from ...modeling.scan import stack_of
+from ...state import state_of
 
 logger = logging.getLogger("AutoXLA")
 
@@ -71,7 +72,7 @@ class BaseAttentionPatcher:
 
     def kernel_mesh(self, model: nn.Module):
         """The mesh the kernel runs over: the one AutoXLA sharded the model over."""
-        return getattr(model, "autoxla_mesh", None)
+        return state_of(model).mesh
 
     def patch_model(self, model: nn.Module, inplace: bool = True) -> nn.Module:
         """Routes ``model``'s decoder attention to the kernel; returns the model (a copy of a
@@ -153,7 +154,7 @@ class XLAFlashAttentionPatcher(BaseAttentionPatcher):
     def attention_config(self, model: nn.Module) -> AttentionConfig:
         if self.mesh is None:
             return self._config
-        model_mesh = getattr(model, "autoxla_mesh", None)
+        model_mesh = state_of(model).mesh
         cfg = dataclasses.replace(self._config, mesh=str(self.mesh))
         if model_mesh is not None:
             try:
@@ -165,7 +166,7 @@ class XLAFlashAttentionPatcher(BaseAttentionPatcher):
         return cfg
 
     def kernel_mesh(self, model: nn.Module):
-        return getattr(model, "autoxla_mesh", None) or self.mesh
+        return state_of(model).mesh or self.mesh
 
     @staticmethod
     def from_model_config(model: nn.Module, mesh: Any, partition_spec: Any = None,
@@ -240,7 +241,7 @@ def _check_soft_cap(model: nn.Module, requested) -> None:
 
 
 def _copy(model: nn.Module) -> nn.Module:
-    if getattr(model, "autoxla_plan", None) is not None:
+    if state_of(model).plan is not None:
         raise ValueError(
             "inplace=False would deep-copy a model AutoXLA sharded over the XLA devices, "
             "duplicating every shard on every device; patch it in place (inplace=True), or load a "
@@ -257,6 +258,6 @@ def _rescan(inner: nn.Module) -> None:
     if stack is None:
         return
     stack.stack_plan = stack.stack_plan.rechecked(stack.shells)
-    plan = getattr(inner, "autoxla_plan", None)    # the wrapper's is the same Plan
+    plan = state_of(inner).plan    # the wrapper's is the same Plan
     if plan is not None and not stack.stack_plan.scanned:
         plan.stack = stack.stack_plan     # generation reads it to pick its cache
