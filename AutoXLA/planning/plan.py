@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -78,14 +78,17 @@ class LayerAttentionPlan:
                 f"({self.reason})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """Built once by ``build_plan`` and never changed: the steps after it read it (a model
+    patched after loading gets a new Plan, kernels/attention/impl_utils.py)."""
+
     model_class: str
     strategy: str
     mesh: MeshShape
     dtype: str
-    tensors: list[TensorPlan] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    tensors: tuple[TensorPlan, ...] = ()
+    notes: tuple[str, ...] = ()
     quantization: dict | None = None   # QuantizationConfig.to_dict() when quantized
     # (decoder layers, kv heads, head dim) of a model that generates: what its KV cache holds.
     attention: tuple[int, int, int] | None = None
@@ -108,10 +111,10 @@ class Plan:
         return name in self._by_name()
 
     def _by_name(self) -> dict[str, TensorPlan]:
-        # The loader looks up every quantized tensor: index once (plans are built, then only read;
-        # the length check covers a tensor appended afterwards).
+        # The loader looks up every quantized tensor: indexed on first use (a frozen dataclass
+        # still has a __dict__ for such a cache; it is no field, so neither JSON nor == sees it).
         index = self.__dict__.get("_index")
-        if index is None or len(index) != len(self.tensors):
+        if index is None:
             index = self.__dict__["_index"] = {t.name: t for t in self.tensors}
         return index
 
@@ -288,8 +291,8 @@ def build_plan(model: nn.Module, config, mesh: MeshShape, strategy: str,
         notes.append("links: " + multislice.links(mesh))
     return Plan(model_class=type(model).__name__, strategy=strategy, mesh=mesh,
                 dtype=dtype_name(dtype) if dtype is not None else "checkpoint",
-                tensors=list(entries.values()),
-                notes=notes,
+                tensors=tuple(entries.values()),
+                notes=tuple(notes),
                 quantization=report.config.to_dict() if report is not None else None,
                 attention=attention,
                 stack=plan_stack(model, scan_layers, layer_attention and layer_attention.modules)

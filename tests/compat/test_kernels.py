@@ -88,9 +88,15 @@ def test_patched_eager_model_equals_the_kernel_load_and_transformers(
 def test_layer_indices_patch_only_those_layers(checkpoints, reference_models, batch, monkeypatch):
     ids, mask = batch
     model = _eager(checkpoints["llama"])
+    loaded = model.autoxla_plan
     patcher = SplashAttentionPatcher(SMALL_BLOCKS, layer_indices=[1])
     patcher.patch_model(model)
     assert patcher.patched_layers == [1]
+    # The loader's plan is left as it was; the model now carries one that says what changed.
+    assert loaded.stack.scanned and loaded.layer_attention is None
+    assert model.autoxla_plan is model.autoxla.plan is not loaded
+    assert model.autoxla_plan.layer_attention.modules == {
+        "model.layers.0.self_attn": "eager", "model.layers.1.self_attn": "splash_attention"}
     calls = _spy(monkeypatch)
     got = _logits(model, ids, mask)
     # Layer 0 stays eager, so the layers differ and the stack can no longer run as one loop.

@@ -37,13 +37,13 @@ from typing import Any, Optional, Sequence
 from torch import nn
 
 from ...attention.config import AttentionConfig
-from ...attention.patch import patch_attention
+from ...attention.patch import apply_attention, plan_attention
 from ...saving import unwrap
 from ...sharding.configs import decoder_config
 # from_pretrained's own reading of the original's attention_layer_indices / attention_partition_spec
 from ...modeling.options import fold_original_attention_keywords
 from ...modeling.scan import stack_of
-from ...state import state_of
+from ...state import record_state, state_of
 
 logger = logging.getLogger("AutoXLA")
 
@@ -95,8 +95,9 @@ class BaseAttentionPatcher:
                           f"{self.name} runs its portable path, never the TPU kernel; load it with "
                           "AutoXLAModelForCausalLM.from_pretrained to shard it and use the kernel",
                           stacklevel=3)
-        patch_attention(inner, self.kernel, cfg, mesh)
-        _rescan(inner)
+        planned = plan_attention(inner, self.kernel, cfg)
+        apply_attention(inner, planned, cfg, mesh)
+        _rescan(model, inner, planned)
         self.patched_layers = sorted({m.layer_idx for m in inner.modules()
                                       if getattr(m, "autoxla_attention", None) is not None
                                       and m.layer_idx is not None})
@@ -250,14 +251,20 @@ def _copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 
 
-def _rescan(inner: nn.Module) -> None:
+def _rescan(model: nn.Module, inner: nn.Module, planned) -> None:
     """A scanned decoder stack runs one layer's (or one group's) modules for every step: if the
     patch made the layers differ (layer_indices), it runs unrolled, as from_pretrained decides
-    when its attention_config['layers'] does the same (modeling/pipeline.py stack_layers)."""
+    when its attention_config['layers'] does the same (planning/plan.py). The model's plan is
+    then replaced by one that records the new attention and stack (on the wrapper too: both
+    read it), since a Plan is never changed in place."""
     stack = stack_of(inner)
-    if stack is None:
+    if stack is not None:
+        stack.stack_plan = stack.stack_plan.rechecked(stack.shells)
+    plan = state_of(inner).plan
+    if plan is None:
         return
-    stack.stack_plan = stack.stack_plan.rechecked(stack.shells)
-    plan = state_of(inner).plan    # the wrapper's is the same Plan
-    if plan is not None and not stack.stack_plan.scanned:
-        plan.stack = stack.stack_plan     # generation reads it to pick its cache
+    unrolled = stack is not None and not stack.stack_plan.scanned
+    new = dataclasses.replace(plan, layer_attention=planned,
+                              stack=stack.stack_plan if unrolled else plan.stack)
+    for holder in {id(model): model, id(inner): inner}.values():
+        record_state(holder, plan=new)    # generation reads the stack to pick its cache
