@@ -33,13 +33,11 @@ FIELDS = tuple(f.name for f in dataclasses.fields(ModelState))
 # The attribute each field is also readable as: the names users' scripts already use.
 LEGACY_NAMES = {name: f"autoxla_{name}" for name in FIELDS}
 
-_EMPTY = ModelState()
-
-
 def state_of(model) -> ModelState:
-    """``model``'s state (an empty one, not to be written, when AutoXLA never touched it)."""
+    """``model``'s state (a new, empty one, attached to nothing, when AutoXLA never touched
+    it)."""
     state = getattr(model, "__dict__", {}).get("autoxla")
-    return state if isinstance(state, ModelState) else _EMPTY
+    return state if isinstance(state, ModelState) else ModelState()
 
 
 def record_state(model, **values) -> ModelState:
@@ -49,9 +47,7 @@ def record_state(model, **values) -> ModelState:
     if unknown:
         raise TypeError(f"ModelState has no field(s) {sorted(unknown)}; fields: {FIELDS}")
     state = state_of(model)
-    if state is _EMPTY:
-        state = ModelState()
-        model.__dict__["autoxla"] = state
+    model.__dict__["autoxla"] = state     # the same holder, or the new one on first use
     for name, value in values.items():
         setattr(state, name, value)
         # Through the model's own __setattr__, as the attributes always were set (nn.Module

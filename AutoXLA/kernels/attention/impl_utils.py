@@ -266,5 +266,5 @@ def _rescan(model: nn.Module, inner: nn.Module, planned) -> None:
     unrolled = stack is not None and not stack.stack_plan.scanned
     new = dataclasses.replace(plan, layer_attention=planned,
                               stack=stack.stack_plan if unrolled else plan.stack)
-    for holder in {id(model): model, id(inner): inner}.values():
+    for holder in ([model] if model is inner else [model, inner]):
         record_state(holder, plan=new)    # generation reads the stack to pick its cache
