@@ -122,7 +122,7 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     bb, pb = options.batch_bucket(batch), options.prompt_bucket(length)
     cache_length = options.cache_length(pb, request.max_new_tokens)
     plan = state_of(model).plan
-    kv = plan.kv_cache(bb, cache_length, dtype=_activation_dtype(hf))
+    kv = plan.kv_cache(bb, cache_length, dtype=activation_dtype(hf))
     validate.check_memory(kv, plan.mesh)
     prompt = pad_prompt(ids, mask, bb, pb, cache_length, request.fill_token_id)
     stats = Stats(bb, pb, cache_length)
@@ -135,7 +135,7 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     return torch.cat([ids, new], dim=1).to(out_device)
 
 
-def _activation_dtype(hf) -> torch.dtype:
+def activation_dtype(hf) -> torch.dtype:
     """The dtype the embedding lookup produces (an int8 QuantizedEmbedding outputs its float
     dtype), which the KV cache holds."""
     table = hf.get_input_embeddings()
@@ -146,13 +146,13 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
          batch: int, steps: int) -> torch.Tensor:
     dev = backend.device()
     mesh = state_of(model).mesh
-    cache = allocate(kv, mesh, dev, stacked=_scanned(model))
+    cache = allocate(kv, mesh, dev, stacked=scanned_stack(model))
     # Inputs from the host are replicated from the start: a tensor first used by the first
     # decode step would otherwise enter it unsharded and every later step replicated, two
     # different programs.
     mask, lengths, finished = (replicated(t.to(dev), mesh)
                                for t in (prompt.mask, prompt.lengths, prompt.finished))
-    run = Steps(model, request, cache, kv, mesh, _logits_kwargs(model), dev,
+    run = Steps(model, request, cache, kv, mesh, logits_kwargs(model), dev,
                 options.trace_steps_once)
     check_every = options.stop_check_every
     eos_ids = request.eos_token_ids
@@ -220,14 +220,14 @@ def _trim(new: torch.Tensor, eos_ids) -> torch.Tensor:
     return new[:, :last + 1]
 
 
-def _logits_kwargs(model) -> dict:
+def logits_kwargs(model) -> dict:
     """Ask only for the last position's logits where the model supports it (prefill then runs
     the head on one position, not the whole prompt)."""
     params = inspect.signature(unwrap(model).forward).parameters
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
-def _scanned(model) -> bool:
+def scanned_stack(model) -> bool:
     stack = state_of(model).plan.stack
     return stack is not None and stack.scanned
 

@@ -28,10 +28,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def uniform(seed: torch.Tensor, step: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
     """[rows, vocab] float32 in (0, 1), a pure function of (seed, step, row, column)."""
-    device = seed.device
+    row = torch.arange(rows, device=seed.device, dtype=torch.int64).unsqueeze(1)
+    return _uniform(seed, step, row, vocab)
+
+
+def uniform_per_row(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab]: row r draws what ``uniform(seed[r], step[r], 1, vocab)`` draws, so a request
+    sampled in any slot of a shared batch gets the tokens it would get generated alone."""
+    row = torch.zeros((seed.shape[0], 1), device=seed.device, dtype=torch.int64)
+    return _uniform(seed.unsqueeze(1), step.unsqueeze(1), row, vocab)
+
+
+def _uniform(seed, step, row, vocab: int) -> torch.Tensor:
     h = _mix32((seed + step * 0x9E3779B9) & _MASK32)
-    row = torch.arange(rows, device=device, dtype=torch.int64).unsqueeze(1)
-    col = torch.arange(vocab, device=device, dtype=torch.int64).unsqueeze(0)
+    col = torch.arange(vocab, device=seed.device, dtype=torch.int64).unsqueeze(0)
     h = _mix32((h ^ (row * 0x27D4EB2F)) & _MASK32)
     h = _mix32((h ^ (col * 0x165667B1)) & _MASK32)
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 2**24)

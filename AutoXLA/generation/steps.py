@@ -97,7 +97,7 @@ class Steps:
                           pad.expand(batch, length).clone(), finished,
                           torch.zeros((), dtype=torch.int64, device=ids.device))
             prompt_cache = DynamicCache()     # no config: full layers, the sliding ones too
-            logits = _forward(self.model, ids, mask, positions, prompt_cache, self.keep)
+            logits = forward_logits(self.model, ids, mask, positions, prompt_cache, self.keep)
             write_prompt(self.cache, prompt_cache, ids.shape[1], ids.device)
             return self._advance(logits, sampler, carry, eos, pad)
 
@@ -108,7 +108,7 @@ class Steps:
         def body(sampler, eos, pad, token, tokens, finished, step, mask, lengths):
             carry = Carry(token, tokens, finished, step)
             positions = (lengths + step - 1).unsqueeze(1)
-            logits = _forward(self.model, token.unsqueeze(1), mask, positions, self.cache,
+            logits = forward_logits(self.model, token.unsqueeze(1), mask, positions, self.cache,
                               self.keep)
             return self._advance(logits, sampler, carry, eos, pad)
 
@@ -178,7 +178,7 @@ def replicated(t: torch.Tensor, mesh) -> torch.Tensor:
     return backend.mark_sharding(t, mesh, (None,) * t.dim())
 
 
-def _forward(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
+def forward_logits(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, **keep)
     return out.logits[:, -1, :]
