@@ -1,0 +1,39 @@
+"""`autoxla serve PATH`: load sharded (and quantized) as `generate` does, compile every program
+the traffic can need with a progress bar, then serve OpenAI's completions and chat completions
+with continuous batching until interrupted (docs/serving.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..serving import ServeConfig, serve
+from ..state import state_of
+from .model_args import add_model_arguments, load_model
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="sequences decoded together: the slots of the KV cache (default 8)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="the longest prompt accepted (default 512)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="the most new tokens one request may ask (default 256)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting for a slot before new ones get 429 (default 256)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take, queue included (default 600)")
+    p.add_argument("--model-name", default=None,
+                   help="the model's id in the API (default: the checkpoint folder's name)")
+
+
+def run(args) -> int:
+    config = ServeConfig(slots=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
+                         max_tokens=args.max_tokens, max_queue=args.max_queue,
+                         request_timeout=args.request_timeout,
+                         model_name=args.model_name or Path(args.path).name)
+    model, tokenizer, seconds = load_model(args, "serve", "serve")
+    print(f"plan: {state_of(model).plan.summary()} (loaded in {seconds:.1f} s)", flush=True)
+    serve(model, tokenizer, config, host=args.host, port=args.port)
+    return 0

@@ -1,0 +1,8 @@
+"""Serving a loaded model over HTTP (docs/serving.md): OpenAI's completions and chat completions,
+continuous batching over the static KV cache's slots, Prometheus metrics.
+
+The path of a request: ``server`` (HTTP, validation in ``protocol``) -> ``scheduler`` (a queue,
+slots, stop conditions, text in ``text``) -> ``engine`` (the device programs)."""
+from .server import ServeConfig, Server, serve
+
+__all__ = ["ServeConfig", "Server", "serve"]

@@ -1,0 +1,492 @@
+"""``autoxla serve``'s server: OpenAI's completions and chat completions over the continuous-batching
+scheduler, with Starlette (routing, streaming) under uvicorn and Prometheus metrics.
+
+    Server(model, tokenizer, ServeConfig(...)).app()     # an ASGI app
+    serve(model, tokenizer, config, host, port)          # warm up, then uvicorn until stopped
+
+Every answer is JSON with a status code; a bad request is a 400 naming the field, a full queue a
+429 with Retry-After, a stopping server a 503, a request past its time a 504, and anything
+unexpected a 500 whose message says what failed, never a traceback.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import pydantic
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import backend
+from ..saving import unwrap
+from .engine import Sampling, SlotEngine
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .scheduler import QueueFull, Scheduler, Sequence, ShuttingDown
+
+logger = logging.getLogger("AutoXLA")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What the server allows and how it batches; checked once here.
+
+    slots: sequences decoded together (the batch of every decode step).
+    max_prompt_tokens: the longest prompt (its bucket: prompts are padded to powers of two from
+        16 up to it, one prefill program each).
+    max_tokens: the most new tokens one sequence may ask.
+    max_queue: sequences waiting for a slot before new requests get 429.
+    request_timeout: seconds a request may take, queue wait included (then 504, slot freed).
+    drain_seconds: on shutdown, how long running requests get to finish before they are cut.
+    default_max_tokens: for a completion that names no max_tokens (OpenAI's default is 16).
+    """
+
+    slots: int = 8
+    max_prompt_tokens: int = 512
+    max_tokens: int = 256
+    max_queue: int = 256
+    request_timeout: float = 600.0
+    drain_seconds: float = 30.0
+    default_max_tokens: int = 16
+    model_name: str = "autoxla"
+
+    def __post_init__(self):
+        for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue",
+                     "default_max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"serve: {name} must be a positive int, got {value!r}")
+        for name in ("request_timeout", "drain_seconds"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"serve: {name} must be >= 0 seconds")
+
+    @property
+    def prompt_buckets(self) -> tuple[int, ...]:
+        sizes, size = [], 16
+        while size < self.max_prompt_tokens:
+            sizes.append(size)
+            size *= 2
+        return (*sizes, self.max_prompt_tokens)
+
+    @property
+    def cache_length(self) -> int:
+        """Room for the largest prompt and two of the longest answers: after a rebase the oldest
+        live sequence spans at most one prompt and one answer, so a new one always fits."""
+        return self.max_prompt_tokens + 2 * self.max_tokens
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.param, self.status, self.headers = param, status, headers or {}
+
+
+class Server:
+    def __init__(self, model, tokenizer, config: ServeConfig | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config = config or ServeConfig()
+        hf = unwrap(model)
+        self.max_positions = getattr(hf.config.get_text_config(), "max_position_embeddings",
+                                     None)
+        self.eos_ids = eos_token_ids(hf)
+        self.engine = SlotEngine(model, config.slots, config.cache_length,
+                                 config.prompt_buckets)
+        self.metrics = Metrics(lambda: self.scheduler.queue_depth,
+                               lambda: len(self.scheduler.live))
+        self.scheduler = Scheduler(self.engine, tokenizer, config.max_queue, self.metrics)
+        self.created = int(time.time())
+        self._random = random.Random()
+        self.warmed_up = False
+
+    # -- start and stop ------------------------------------------------------------------------
+    def warm_up(self, progress: bool = True) -> int:
+        """Compile every program traffic can need (a prefill per prompt bucket, the step, the
+        rebase); the number compiled."""
+        from tqdm.auto import tqdm
+
+        before = backend.compile_count()
+        engine = self.engine
+        with backend.device_owner():
+            for bucket in tqdm(engine.prompt_buckets, desc="AutoXLA: compiling", unit="bucket",
+                               disable=not progress):
+                engine.admit(0, torch_ids(bucket), Sampling())
+            engine.step()
+            engine.rebase(engine.t - engine.max_prompt)
+        self.warmed_up = True
+        return backend.compile_count() - before
+
+    def start(self) -> None:
+        if not self.warmed_up:
+            self.warm_up(progress=False)
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop(self.config.drain_seconds)
+
+    # -- the app ---------------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        routes = [Route("/v1/completions", self._endpoint("completions", self.completions),
+                        methods=["POST"]),
+                  Route("/v1/chat/completions", self._endpoint("chat", self.chat),
+                        methods=["POST"]),
+                  Route("/v1/models", self._endpoint("models", self.models), methods=["GET"]),
+                  Route("/health", self._endpoint("health", self.health), methods=["GET"]),
+                  Route("/metrics", self.render_metrics, methods=["GET"])]
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app):
+            self.start()
+            yield
+            await asyncio.get_running_loop().run_in_executor(None, self.stop)
+
+        return Starlette(routes=routes, lifespan=lifespan)
+
+    def _endpoint(self, name: str, handler):
+        async def endpoint(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except BadRequest as e:
+                response = error(e.status, str(e), e.param, e.headers)
+            except Exception as e:  # noqa: BLE001 - an answer, never a traceback
+                logger.exception("serving: %s failed", name)
+                response = error(500, f"internal error: {type(e).__name__}: {e}")
+            self.metrics.answered(name, response.status_code)
+            return response
+        return endpoint
+
+    async def health(self, request: Request) -> Response:
+        if self.scheduler.error is not None:
+            return error(503, f"the generation loop stopped: {self.scheduler.error}")
+        return JSONResponse({"status": "ok", "slots": self.config.slots,
+                             "slots_in_use": len(self.scheduler.live),
+                             "queue_depth": self.scheduler.queue_depth})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.config.model_name, "object": "model", "created": self.created,
+            "owned_by": "autoxla", "max_model_len": self.config.max_prompt_tokens +
+            self.config.max_tokens}]})
+
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def completions(self, request: Request) -> Response:
+        body = await parse(request, CompletionRequest)
+        prompts = self._completion_prompts(body)
+        return await self._answer(request, body, prompts, chat=False,
+                                  max_tokens=body.max_tokens or self.config.default_max_tokens,
+                                  logprobs=body.logprobs)
+
+    async def chat(self, request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest("this model's tokenizer has no chat template: use /v1/completions",
+                             "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own complaint, as a 400
+            raise BadRequest(f"the chat template refused these messages: {e}", "messages")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:       # as vLLM: what the limits leave
+            max_tokens = min(self.config.max_tokens, self._position_room(len(ids)))
+        top = body.top_logprobs if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        return await self._answer(request, body, [ids], chat=True, max_tokens=max_tokens,
+                                  logprobs=(top or 0) if body.logprobs else None)
+
+    # -- one request -------------------------------------------------------------------------
+    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        p = body.prompt
+        if isinstance(p, str):
+            texts = [p]
+        elif p and all(isinstance(x, str) for x in p):
+            texts = list(p)
+        elif p and all(isinstance(x, int) for x in p):
+            return [self._check_ids(list(p))]
+        elif p and all(isinstance(x, list) for x in p):
+            return [self._check_ids(list(x)) for x in p]
+        else:
+            raise BadRequest("prompt is empty", "prompt")
+        out = []
+        for text in texts:
+            ids = self.tokenizer(text)["input_ids"]
+            if not ids:
+                raise BadRequest("prompt is empty: nothing to continue", "prompt")
+            out.append(ids)
+        return out
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.engine.vocab
+        if not ids or any(not 0 <= i < vocab for i in ids):
+            raise BadRequest(f"prompt token ids must be in [0, {vocab}) and not empty", "prompt")
+        return ids
+
+    def _position_room(self, prompt: int) -> int:
+        return (self.max_positions - prompt) if self.max_positions else self.config.max_tokens
+
+    def _sequences(self, body, prompts, max_tokens: int, emit_for) -> list[Sequence]:
+        bad = body.unsupported()
+        if bad:
+            raise BadRequest(f"{bad[0]} is not supported by this server; drop it", bad[0])
+        limit = self.config.max_prompt_tokens
+        for ids in prompts:
+            if len(ids) > limit:
+                raise BadRequest(f"the prompt has {len(ids)} tokens, more than this server's "
+                                 f"limit of {limit} (--max-prompt-tokens)", "prompt")
+        if max_tokens > self.config.max_tokens:
+            raise BadRequest(f"max_tokens={max_tokens} is more than this server's limit of "
+                             f"{self.config.max_tokens} (--max-tokens)", "max_tokens")
+        for ids in prompts:
+            if self.max_positions and len(ids) + max_tokens > self.max_positions:
+                raise BadRequest(f"the prompt's {len(ids)} tokens plus max_tokens={max_tokens} "
+                                 f"exceed the model's {self.max_positions} positions", "max_tokens")
+        try:
+            stops = body.stop_strings()
+        except ValueError as e:
+            raise BadRequest(str(e), "stop")
+        vocab = self.engine.vocab
+        if any(not 0 <= i < vocab for i in body.stop_token_ids):
+            raise BadRequest(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        if body.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens={body.min_tokens} is more than max_tokens={max_tokens}",
+                             "min_tokens")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        greedy = temperature == 0.0
+        base_seed = body.seed if body.seed is not None else self._random.randrange(2**31)
+        stop_ids = tuple(dict.fromkeys((*self.eos_ids, *body.stop_token_ids)))
+        seqs = []
+        for i, ids in enumerate(prompts):
+            for j in range(body.n):
+                sampling = Sampling(
+                    greedy=greedy, temperature=temperature or 1.0, top_k=max(body.top_k, 0),
+                    top_p=1.0 if body.top_p is None else body.top_p,
+                    seed=(base_seed + j) % 2**32, min_tokens=body.min_tokens,
+                    repetition_penalty=body.repetition_penalty,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, stop_token_ids=stop_ids)
+                seqs.append(Sequence(list(ids), sampling, max_tokens, frozenset(stop_ids), stops,
+                                     emit_for(i * body.n + j)))
+        return seqs
+
+    async def _answer(self, request: Request, body, prompts, chat: bool, max_tokens: int,
+                      logprobs: int | None) -> Response:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit_for(index):
+            def emit(kind, payload):
+                loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
+            return emit
+
+        seqs = self._sequences(body, prompts, max_tokens, emit_for)
+        try:
+            self.scheduler.submit(seqs)
+        except QueueFull as e:
+            raise BadRequest(f"the server is busy: {e}; retry shortly", status=429,
+                             headers={"Retry-After": "1"})
+        except ShuttingDown as e:
+            raise BadRequest(str(e), status=503)
+        reply = _Reply(self, body, seqs, chat, logprobs)
+        if body.stream:
+            return StreamingResponse(reply.stream(events, request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await reply.whole(events, request)
+
+
+class _Reply:
+    """The answer to one request: its sequences' events gathered into OpenAI's JSON or chunks."""
+
+    def __init__(self, server: Server, body, seqs: list[Sequence], chat: bool, logprobs):
+        self.server, self.body, self.seqs, self.chat = server, body, seqs, chat
+        self.logprobs = logprobs
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.texts = [""] * len(seqs)
+        self.tokens: list[list] = [[] for _ in seqs]
+        self.deadline = time.monotonic() + server.config.request_timeout
+
+    def cancel(self) -> None:
+        for seq in self.seqs:
+            if seq.finish_reason is None:
+                seq.cancel()
+        self.server.scheduler.wake()
+
+    async def _events(self, events: asyncio.Queue, request: Request):
+        """Yield (index, kind, payload) until every sequence is done; a client gone or the
+        deadline passed cancels the rest (TimeoutError for the latter)."""
+        done = 0
+        while done < len(self.seqs):
+            try:
+                item = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel()
+                    return
+                if time.monotonic() > self.deadline:
+                    self.cancel()
+                    raise TimeoutError
+                continue
+            if item[1] == "done":
+                done += 1
+            yield item
+
+    async def whole(self, events, request) -> Response:
+        reasons = [None] * len(self.seqs)
+        try:
+            async for index, kind, payload in self._events(events, request):
+                if kind == "token":
+                    self.texts[index] += payload.text
+                    self.tokens[index].append(payload)
+                else:
+                    reasons[index] = payload
+        except TimeoutError:
+            raise BadRequest(f"the request took longer than the server's "
+                             f"{self.server.config.request_timeout:g} s limit", status=504)
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if any(r == "error" for r in reasons):
+            raise BadRequest(f"generation failed: {self.server.scheduler.error}", status=500)
+        choices = [self._choice(i, self.texts[i], self.tokens[i], reasons[i], whole=True)
+                   for i in range(len(self.seqs))]
+        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else
+                             "text_completion", "created": self.created,
+                             "model": self.server.config.model_name, "choices": choices,
+                             "usage": self._usage()})
+
+    async def stream(self, events, request):
+        first = [True] * len(self.seqs)
+        try:
+            async for index, kind, payload in self._events(events, request):
+                if kind == "token":
+                    self.tokens[index].append(payload)
+                    self.texts[index] += payload.text
+                    choice = self._choice(index, payload.text, [payload], None, whole=False,
+                                          first=first[index])
+                else:
+                    choice = self._choice(index, "", [], payload, whole=False,
+                                          first=first[index])
+                first[index] = False
+                yield self._chunk([choice])
+            options = self.body.stream_options
+            if options is not None and options.include_usage:
+                yield self._chunk([], usage=self._usage())
+        except TimeoutError:
+            yield "data: " + json.dumps(error_body(
+                f"the request took longer than the server's "
+                f"{self.server.config.request_timeout:g} s limit", None, 504)) + "\n\n"
+        finally:
+            self.cancel()           # a client gone mid-stream frees its slots at once
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, choices, usage=None) -> str:
+        data = {"id": self.id, "object": "chat.completion.chunk" if self.chat else
+                "text_completion", "created": self.created,
+                "model": self.server.config.model_name, "choices": choices}
+        if usage is not None:
+            data["usage"] = usage
+        return "data: " + json.dumps(data) + "\n\n"
+
+    def _choice(self, index, text, tokens, reason, whole: bool, first: bool = False) -> dict:
+        reason = {"abort": "abort", "error": "error"}.get(reason, reason)
+        logprobs = self._logprobs(tokens) if self.logprobs is not None else None
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if whole:
+            message = {"role": "assistant", "content": text}
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": reason}
+        delta = {"role": "assistant", "content": text} if first else (
+            {"content": text} if text or reason is None else {})
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+    def _logprobs(self, tokens) -> dict:
+        decode = self.server.tokenizer.decode
+        n = self.logprobs or 0
+        if self.chat:
+            return {"content": [{
+                "token": decode([t.id]), "logprob": t.logprob, "bytes": list(decode([t.id])
+                                                                              .encode()),
+                "top_logprobs": [{"token": decode([i]), "logprob": lp,
+                                  "bytes": list(decode([i]).encode())} for i, lp in t.top[:n]]}
+                for t in tokens]}
+        return {"tokens": [decode([t.id]) for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{decode([i]): lp for i, lp in t.top[:n]} for t in tokens]}
+
+    def _usage(self) -> dict:
+        prompt = sum(len(s.prompt) for s in self.seqs[::self.body.n])
+        completion = sum(len(s.tokens) for s in self.seqs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+
+async def parse(request: Request, model):
+    """The request's JSON body as ``model``, or a 400 naming what is wrong."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the body is not valid JSON: {e}")
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        kind = first["type"]
+        message = ("unknown field" if kind == "extra_forbidden" else first["msg"])
+        raise BadRequest(f"{field}: {message}" if field else message, field)
+
+
+def error_body(message: str, param: str | None, status: int) -> dict:
+    kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable",
+            504: "timeout"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error(status: int, message: str, param: str | None = None, headers: dict | None = None):
+    return JSONResponse(error_body(message, param, status), status_code=status, headers=headers)
+
+
+def eos_token_ids(hf) -> tuple[int, ...]:
+    """The checkpoint's EOS ids (its generation config's, else its config's)."""
+    eos = getattr(getattr(hf, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf.config.get_text_config(), "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def torch_ids(length: int):
+    import torch
+
+    return torch.ones(length, dtype=torch.int64)
+
+
+def serve(model, tokenizer, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
+          progress: bool = True) -> None:
+    """Warm up (every program compiled, with a progress bar), then serve until interrupted."""
+    import uvicorn
+
+    server = Server(model, tokenizer, config)
+    compiled = server.warm_up(progress=progress)
+    print(f"AutoXLA: {compiled} programs compiled; serving {config.model_name} on "
+          f"http://{host}:{port}/v1 ({config.slots} slots)", flush=True)
+    uvicorn.run(server.app(), host=host, port=port, log_level="warning",
+                timeout_graceful_shutdown=max(1, int(config.drain_seconds)))
