@@ -11,12 +11,14 @@ its own prompt. When ``t`` nears the end of the cache, ``rebase`` moves every ro
 by what no live request uses (one copy of the cache, rare) and ``t`` with them: slot distances,
 which the causal and sliding-window masks read, are unchanged.
 
-Programs: one ``admit`` per prompt bucket, one ``step``, one ``rebase``; the request's values
+Programs: one ``admit`` per prompt bucket, eight ``step``s (with or without sampling,
+penalties, log-probabilities: what the live rows need), one ``rebase``; the request's values
 (row, settings, shift) are small device vectors, so no value compiles anything. Every program is
 traced once (``backend.TracedPrograms``), as ``generation/steps.py`` traces generate's steps.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +38,7 @@ STOP_WIDTH = 8     # stop token ids per request the device knows (for min_tokens
 
 @dataclass(frozen=True)
 class Sampling:
-    """One request's sampling settings, validated by the caller (serving/requests.py)."""
+    """One request's sampling settings, validated by the caller (serving/server.py)."""
 
     greedy: bool = True
     temperature: float = 1.0
@@ -48,6 +50,16 @@ class Sampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()     # EOS ids and the request's stop ids
+
+    @property
+    def samples(self) -> bool:
+        return not self.greedy
+
+    @property
+    def penalises(self) -> bool:
+        """A penalty or a minimum length: the step must process the logits."""
+        return (self.min_tokens > 0 or self.repetition_penalty != 1.0
+                or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
 
     def tensors(self, device) -> list[torch.Tensor]:
         """The RowSettings of one row: [1] vectors (a 0-d tensor would be a graph constant)."""
@@ -128,11 +140,18 @@ class SlotEngine:
         args += sampling.tensors(self.device)
         return self._call("admit", self._admit_body, args, row_out=True)
 
-    def step(self) -> Picked:
-        """One token for every row (the free rows' are ignored); ``t`` advances by one."""
+    def step(self, sample: bool = True, penalise: bool = True, logprobs: bool = True) -> Picked:
+        """One token for every row (the free rows' are ignored); ``t`` advances by one.
+
+        What the live rows need, each a program of its own, so that a step leaves out the work
+        none of them asked for: ``sample``, some row samples; ``penalise``, some row has a
+        penalty or a minimum length (only then are the rows' token histories kept: a row's are
+        reset when it is admitted); ``logprobs``, some row wants log-probabilities (else they
+        come back as zeros)."""
         if self.t >= self.length:
             raise RuntimeError("the write position reached the end of the cache: rebase first")
-        picked = self._call("step", self._step_body, [], row_out=False)
+        body = functools.partial(self._step_body, sample, penalise, logprobs)
+        picked = self._call("step", body, [], row_out=False, key=(sample, penalise, logprobs))
         self.t += 1
         return picked
 
@@ -174,16 +193,19 @@ class SlotEngine:
         new += [table.index_copy(0, row, value) for table, value in zip(settings, one.tensors())]
         return [first, *lp], new
 
-    def _step_body(self, mask, pos, token, generated, seen, counts, *settings):
+    def _step_body(self, sample, penalise, want_logprobs, mask, pos, token, generated, seen,
+                   counts, *settings):
         s = row_sampling.RowSettings.from_tensors(settings)
         fill = self._fill()
         ones = torch.ones((self.slots, 1), dtype=mask.dtype, device=mask.device)
         mask = mask.index_copy(1, fill.reshape(1), ones)
         logits = forward_logits(self.model, token.unsqueeze(1), mask, pos.unsqueeze(1), self.cache,
                           self.keep)
-        chosen = row_sampling.choose(logits, s, seen, counts, generated)
-        lp = row_sampling.logprobs(logits, chosen)
-        seen, counts = _count(seen, counts, chosen)
+        chosen = row_sampling.choose(logits, s, seen, counts, generated, sample, penalise)
+        lp = (row_sampling.logprobs(logits, chosen) if want_logprobs
+              else row_sampling.no_logprobs(logits, chosen))
+        if penalise:
+            seen, counts = _count(seen, counts, chosen)
         return [chosen, *lp], [mask, pos + 1, chosen, generated + 1, seen, counts, *settings]
 
     def _rebase_body(self, shift, mask, *rest):
@@ -219,7 +241,7 @@ class SlotEngine:
                 out[j] = full.index_copy(row_dim, row, block)
         set_cache_state(self.cache, out)
 
-    def _call(self, kind: str, body, args: list, row_out):
+    def _call(self, kind: str, body, args: list, row_out, key=None):
         """Run ``body(*args, *state)`` traced once; the new state kept, the picks read back."""
         n_args = len(args)
 
@@ -237,7 +259,7 @@ class SlotEngine:
 
         inputs = [*args, *self.state, *cache_state(self.cache)]
         try:
-            program = self._programs[kind].get(None, fn, inputs, self._weights)
+            program = self._programs[kind].get(key, fn, inputs, self._weights)
             outputs = program(inputs, self._weights)
         except backend.NotTraceable as e:      # traced every call instead (slower, same result)
             self.traced = f"every step ({e})"

@@ -14,7 +14,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import STOP_WIDTH
-from ..generation.rows import TOP_LOGPROBS
+from ..generation.rows import TOP_K_LIMIT, TOP_LOGPROBS
 
 
 class _Strict(BaseModel):
@@ -42,7 +42,7 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM's extensions
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=TOP_K_LIMIT)
     min_tokens: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=STOP_WIDTH - 2)

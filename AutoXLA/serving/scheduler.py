@@ -55,6 +55,7 @@ class Sequence:
     stop_ids: frozenset[int]           # EOS and the request's stop ids: end the sequence
     stop_strings: tuple[str, ...]
     emit: object                       # emit(kind, payload): "token" (Token) then "done" (reason)
+    logprobs: bool = False             # log-probabilities wanted
     tokens: list[int] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -204,7 +205,10 @@ class Scheduler:
         return True
 
     def _step(self) -> None:
-        picked = self.engine.step()
+        live = [live.seq for live in self.live.values()]
+        picked = self.engine.step(sample=any(s.sampling.samples for s in live),
+                                  penalise=any(s.sampling.penalises for s in live),
+                                  logprobs=any(s.logprobs for s in live))
         for row in list(self.live):
             self._deliver(row, picked, row)
 

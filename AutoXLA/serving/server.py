@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import random
@@ -109,8 +110,8 @@ class Server:
 
     # -- start and stop ------------------------------------------------------------------------
     def warm_up(self, progress: bool = True) -> int:
-        """Compile every program traffic can need (a prefill per prompt bucket, the step, the
-        rebase); the number compiled."""
+        """Compile every program traffic can need (a prefill per prompt bucket, the eight steps,
+        the rebase); the number compiled."""
         from tqdm.auto import tqdm
 
         before = backend.compile_count()
@@ -119,7 +120,8 @@ class Server:
             for bucket in tqdm(engine.prompt_buckets, desc="AutoXLA: compiling", unit="bucket",
                                disable=not progress):
                 engine.admit(0, torch_ids(bucket), Sampling())
-            engine.step()
+            for flags in itertools.product((False, True), repeat=3):
+                engine.step(*flags)
             engine.rebase(engine.t - engine.max_prompt)
         self.warmed_up = True
         return backend.compile_count() - before
@@ -237,7 +239,8 @@ class Server:
     def _position_room(self, prompt: int) -> int:
         return (self.max_positions - prompt) if self.max_positions else self.config.max_tokens
 
-    def _sequences(self, body, prompts, max_tokens: int, emit_for) -> list[Sequence]:
+    def _sequences(self, body, prompts, max_tokens: int, emit_for,
+                   logprobs: bool) -> list[Sequence]:
         bad = body.unsupported()
         if bad:
             raise BadRequest(f"{bad[0]} is not supported by this server; drop it", bad[0])
@@ -278,7 +281,7 @@ class Server:
                     presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, stop_token_ids=stop_ids)
                 seqs.append(Sequence(list(ids), sampling, max_tokens, frozenset(stop_ids), stops,
-                                     emit_for(i * body.n + j)))
+                                     emit_for(i * body.n + j), logprobs))
         return seqs
 
     async def _answer(self, request: Request, body, prompts, chat: bool, max_tokens: int,
@@ -291,7 +294,7 @@ class Server:
                 loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
             return emit
 
-        seqs = self._sequences(body, prompts, max_tokens, emit_for)
+        seqs = self._sequences(body, prompts, max_tokens, emit_for, logprobs is not None)
         try:
             self.scheduler.submit(seqs)
         except QueueFull as e:

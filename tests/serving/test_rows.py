@@ -9,8 +9,9 @@ VOCAB = 300
 
 
 def settings(**per_row):
-    """RowSettings of 3 rows: defaults, overridden by lists of 3 values."""
-    n = 3
+    """RowSettings of 3 rows: defaults, overridden by lists of 3 values (or of any one
+    length, every field given)."""
+    n = len(next(iter(per_row.values()))) if per_row else 3
     values = dict(greedy=[True] * n, temperature=[1.0] * n, top_k=[0] * n, top_p=[1.0] * n,
                   seed=[0] * n, min_tokens=[0] * n, repetition=[1.0] * n, presence=[0.0] * n,
                   frequency=[0.0] * n, stop_ids=[[2, -1]] * n)
@@ -118,3 +119,32 @@ def test_greedy_rows_ignore_warpers_and_sampling_rows_follow_the_seed():
     # rows 1 and 2 differ only in their logits: the same seed and step draw the same noise
     again = rows.choose(logits, s, none, zero, torch.tensor([0, 4, 4]))
     assert torch.equal(picked, again)
+
+
+def test_warpers_equal_transformers_on_many_random_rows():
+    """64 rows of random settings, some logits tied, k beyond the vocabulary, p near 0 and 1:
+    the kept set is transformers' exactly (top-p's sums differ only in rounding order)."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    g = torch.Generator().manual_seed(7)
+    n = 64
+    logits = torch.randn(n, VOCAB, generator=g) * torch.rand(n, 1, generator=g) * 6
+    logits[::5, :40] = logits[::5, :1]                     # ties at the top
+    temps = (torch.rand(n, generator=g) * 1.8 + 0.2).tolist()
+    ks = torch.randint(0, 2 * VOCAB, (n,), generator=g).tolist()
+    ks[::3] = [0] * len(ks[::3])
+    ps = torch.rand(n, generator=g).clamp(min=0.01).tolist()
+    ps[::4] = [1.0] * len(ps[::4])
+    s = settings(greedy=[False] * n, temperature=temps, top_k=ks, top_p=ps, seed=[0] * n,
+                 min_tokens=[0] * n, repetition=[1.0] * n, presence=[0.0] * n,
+                 frequency=[0.0] * n, stop_ids=[[2, -1]] * n)
+    got = rows.warp(logits, s)
+    for r in range(n):
+        expected = TemperatureLogitsWarper(temps[r])(None, logits[r:r + 1].clone())
+        if ks[r]:
+            expected = TopKLogitsWarper(ks[r])(None, expected)
+        if ps[r] < 1:
+            expected = TopPLogitsWarper(ps[r])(None, expected)
+        assert torch.equal(torch.isinf(got[r]), torch.isinf(expected[0])), (r, temps[r], ks[r],
+                                                                            ps[r])

@@ -234,6 +234,7 @@ def post(url, path, body, **kw):
     ({"model": "tiny", "prompt": "word " * 80, "max_tokens": 4}, 400, "limit of 64"),
     ({"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_k": 5000}, 400, "top_k"),
     ({"model": "tiny", "prompt": [], "max_tokens": 4}, 400, "prompt"),
     ({"model": "tiny", "prompt": [10 ** 9], "max_tokens": 4}, 400, "prompt"),
     ({"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -329,8 +330,10 @@ def test_a_request_past_its_time_answers_504_and_frees_its_slot(served):
 
 
 def test_no_program_compiled_after_warm_up(served):
-    """Last of the module's traffic tests: everything above ran on the warm-up's programs."""
+    """Last of the module's traffic tests: everything above ran on the warm-up's programs,
+    each traced once (a step traced every time would compile per token)."""
     assert backend.compile_count() == served[4]
+    assert served[1].engine.traced == "once"
 
 
 def test_shutdown_finishes_running_requests_then_refuses(served):
