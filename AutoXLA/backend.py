@@ -585,8 +585,10 @@ class Program:
 
         # Every input device data, a graph leaf of its own (else its graph would be baked into
         # the program). Only the inputs: other pending tensors (a cache about to be replaced)
-        # stay unrun.
-        torch_xla._XLAC._xla_sync_multi(list(inputs), devices=[], wait=False)
+        # stay unrun. Waited for: lowering reads each input's buffer handle, and one still
+        # being computed (a freshly allocated 38 MB cache) crashed the process (SIGSEGV in
+        # PjRtShardedData::GetHandle).
+        torch_xla._XLAC._xla_sync_multi(list(inputs), devices=[], wait=True)
         reads = transfers_from_device()
         outputs = list(fn([t.clone() for t in inputs]))
         if transfers_from_device() != reads:

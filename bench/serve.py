@@ -5,8 +5,8 @@ another to ``model.generate`` in the same process.
 For the tiny Llama (SmolLM2's tokenizer, random weights) and the real SmolLM2-135M-Instruct, each
 in a fresh process: throughput (generated tokens per second of wall time), time to first token
 and inter-token latency (p50, p99), and the programs compiled while serving (0 expected). Greedy,
-a fixed number of new tokens per request (EOS ignored: ``min_tokens`` = ``max_tokens``), so both
-sides generate exactly the same tokens.
+a fixed number of new tokens per request (EOS ignored: vLLM's ``ignore_eos``), so both sides
+generate exactly the same tokens.
 
     ./run python bench/serve.py [--clients 16] [--tokens 32] [--devices 1] [--models tiny smollm2]
 
@@ -109,7 +109,7 @@ def served(model, tokenizer, ids_list, tokens: int, clients: int) -> dict:
         stamps, count = [], 0
         for chunk in api.completions.create(model="bench", prompt=ids_list[i], max_tokens=tokens,
                                             temperature=0, stream=True,
-                                            extra_body={"min_tokens": tokens}):
+                                            extra_body={"ignore_eos": True}):
             if chunk.choices and chunk.choices[0].finish_reason is None:
                 stamps.append(time.perf_counter())
                 count += 1

@@ -5,7 +5,7 @@ Unknown fields are refused (a 400 naming the field) rather than ignored, and so 
 fields that would change the answer and that the server does not implement (``logit_bias``,
 ``tools``, ``response_format``, ``suffix``, ``echo``, ``best_of``): a client never gets an
 answer to a question it did not ask. Extensions vLLM's clients send (``top_k``, ``min_tokens``,
-``repetition_penalty``, ``stop_token_ids``) are accepted with vLLM's meaning.
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``) are accepted with vLLM's meaning.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ class _Sampling(_Strict):
     min_tokens: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=STOP_WIDTH - 2)
+    ignore_eos: bool = False
     # accepted only at the value that changes nothing
     logit_bias: dict[str, float] | None = None
 

@@ -269,7 +269,8 @@ class Server:
         temperature = 1.0 if body.temperature is None else body.temperature
         greedy = temperature == 0.0
         base_seed = body.seed if body.seed is not None else self._random.randrange(2**31)
-        stop_ids = tuple(dict.fromkeys((*self.eos_ids, *body.stop_token_ids)))
+        eos = () if body.ignore_eos else self.eos_ids
+        stop_ids = tuple(dict.fromkeys((*eos, *body.stop_token_ids)))
         seqs = []
         for i, ids in enumerate(prompts):
             for j in range(body.n):
