@@ -69,7 +69,11 @@ def run_demo(cache_dir=None, strategy: str = "2d") -> bool:
           f"MISMATCH: sharded generation differs from plain transformers:\n  "
           f"{tokenizer.decode(expected[0, ids.shape[1]:])!r}")
     ok = _splash(path, strategy, got, ids, mask, args) and ok
-    return _quantized(path, strategy, reference, tokenizer, ids, mask, args) and ok
+    ok = _quantized(path, strategy, reference, tokenizer, ids, mask, args) and ok
+    print(f"serve it (OpenAI's API, continuous batching; docs/serving.md):\n"
+          f"  autoxla serve {path} --strategy {strategy}\n"
+          f"  (from a checkout: ./run python -m AutoXLA.cli serve {path} --strategy {strategy})")
+    return ok
 
 
 def _splash(path, strategy, eager_tokens, ids, mask, args) -> bool:

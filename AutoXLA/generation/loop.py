@@ -36,6 +36,7 @@ class Prompt:
     positions: torch.Tensor   # [Bb, Pb] int64: as transformers counts them (cumsum of the mask)
     lengths: torch.Tensor     # [Bb] int64: real tokens per row (the next token's position)
     finished: torch.Tensor    # [Bb] bool: True for the rows added to fill the batch bucket
+    columns: torch.Tensor     # [Bb, Pb] int64: 1 on the caller's columns, 0 on bucket padding
 
 
 @dataclass
@@ -92,7 +93,9 @@ def pad_prompt(ids: torch.Tensor, mask: torch.Tensor, batch_bucket: int, prompt_
     full_mask[:, :prompt_bucket] = prompt_mask
     finished = torch.zeros(batch_bucket, dtype=torch.bool)
     finished[b:] = True
-    return Prompt(padded, full_mask, positions, prompt_mask.sum(-1), finished)
+    columns = torch.zeros((batch_bucket, prompt_bucket), dtype=torch.int64)
+    columns[:, pad_cols:] = 1
+    return Prompt(padded, full_mask, positions, prompt_mask.sum(-1), finished, columns)
 
 
 def default_attention_mask(ids: torch.Tensor, request) -> torch.Tensor:
@@ -105,16 +108,22 @@ def default_attention_mask(ids: torch.Tensor, request) -> torch.Tensor:
 
 @torch.no_grad()   # as transformers' generate: no autograd graph across the steps
 def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generation_config=None,
-             streamer=None, seed=None, _stop_after: int | None = None, **kwargs) -> torch.Tensor:
+             streamer=None, seed=None, tokenizer=None, _stop_after: int | None = None,
+             **kwargs) -> torch.Tensor:
     """Greedy or sampled generation with transformers' keywords; returns prompt + new tokens
-    (pad after a row's EOS) on the prompt's device, like transformers' generate."""
+    (pad after a row's EOS or stop string) on the prompt's device, like transformers' generate;
+    with ``num_return_sequences=n``, n rows per prompt, each prompt's rows together."""
     hf = unwrap(model)
     raw = input_ids if input_ids is not None else inputs
     ids = validate.check_ids(raw, validate.vocab_size(hf))
     out_device = raw.device
-    request = build_request(hf, ids.shape[1], generation_config, seed=seed, **kwargs)
+    request = build_request(hf, ids.shape[1], generation_config, seed=seed, tokenizer=tokenizer,
+                            **kwargs)
     mask = validate.check_mask(attention_mask if attention_mask is not None
                                else default_attention_mask(ids, request), ids)
+    if request.num_return_sequences > 1:      # as transformers: each prompt's rows together
+        ids = ids.repeat_interleave(request.num_return_sequences, dim=0)
+        mask = mask.repeat_interleave(request.num_return_sequences, dim=0)
     # Settable after loading as a dict too (docs/generation.md): checked here, every call.
     options = GenerationOptions.from_any(model.autoxla_generation)
     batch, length = ids.shape
@@ -130,7 +139,7 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
         streamer.put(ids)                 # as transformers: the prompt first
     with backend.device_owner():          # one generating thread at a time (docs/generation.md)
         new = _run(model, prompt, request, kv, options, streamer, stats, batch,
-                   _stop_after or request.max_new_tokens)
+                   _stop_after or request.max_new_tokens, tokenizer)
         record_state(model, last_generate=stats)
     return torch.cat([ids, new], dim=1).to(out_device)
 
@@ -143,7 +152,7 @@ def activation_dtype(hf) -> torch.dtype:
 
 
 def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streamer, stats: Stats,
-         batch: int, steps: int) -> torch.Tensor:
+         batch: int, steps: int, tokenizer=None) -> torch.Tensor:
     dev = backend.device()
     mesh = state_of(model).mesh
     cache = allocate(kv, mesh, dev, stacked=scanned_stack(model))
@@ -155,16 +164,16 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
     run = Steps(model, request, cache, kv, mesh, logits_kwargs(model), dev,
                 options.trace_steps_once)
     check_every = options.stop_check_every
-    eos_ids = request.eos_token_ids
-    watch = streamer is not None or bool(eos_ids)   # else nothing to look at before the end
+    ends = Ends(request.eos_token_ids, request.stop_strings, tokenizer, request.fill_token_id)
+    watch = streamer is not None or ends.any   # else nothing to look at before the end
 
     t0, c0 = time.perf_counter(), backend.compile_seconds()
     length = prompt.ids.shape[1]
     carry, done = run.prefill(finished, prompt.ids.to(dev), prompt.mask[:, :length].to(dev),
-                              prompt.positions.to(dev))
+                              prompt.positions.to(dev), prompt.columns.to(dev))
     backend.sync()
     backend.finish_step()
-    streamed, stopped = (_check(done, carry.tokens, streamer, 0, 1, batch, eos_ids) if watch
+    streamed, stopped = (_check(done, carry.tokens, streamer, 0, 1, batch, ends) if watch
                          else (0, False))
     stats.prefill_seconds = time.perf_counter() - t0   # with a check, the prefill has run
     stats.prefill_compile_seconds = backend.compile_seconds() - c0
@@ -174,7 +183,7 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
         if stopped:
             break
         if watch and t % check_every == 0:
-            streamed, stopped = _check(done, carry.tokens, streamer, streamed, t, batch, eos_ids)
+            streamed, stopped = _check(done, carry.tokens, streamer, streamed, t, batch, ends)
             if stopped:
                 break
         h0 = time.thread_time()      # this thread's CPU time: waiting on the device is not in it
@@ -190,7 +199,7 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
     stats.decode_host_seconds = max(host - stats.decode_compile_seconds, 0.0)
     stats.new_tokens = steps_run
     stats.traced = run.traced
-    new = _trim(tokens[:batch, :steps_run], eos_ids)
+    new = ends.trim(tokens[:batch, :steps_run])
     if streamer is not None:
         if batch == 1:
             streamer.put(new[0, streamed:])
@@ -198,15 +207,69 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
     return new
 
 
-def _check(done, tokens, streamer, streamed: int, upto: int, batch: int, eos_ids):
-    """(tokens streamed so far, every row finished?): one small device-to-host copy, or two
-    with a streamer, which gets the new tokens up to and including the first EOS."""
+def _check(done, tokens, streamer, streamed: int, upto: int, batch: int, ends: "Ends"):
+    """(tokens streamed so far, every row finished?): one small device-to-host copy (two with a
+    streamer or stop strings, which read the tokens), the streamer given the new tokens up to
+    and including the first EOS or stop string."""
     stopped = bool(done.cpu())
+    if streamer is None and not ends.stop_strings:
+        return streamed, stopped
+    new = ends.trim(tokens.cpu()[:batch, :upto])
+    if ends.stop_strings and not stopped:
+        stopped = ends.all_ended(new)
     if streamer is not None and batch == 1:
-        new = _trim(tokens.cpu()[:1, :upto], eos_ids)[0]
-        streamer.put(new[streamed:])
-        streamed = max(streamed, len(new))
+        streamer.put(new[0, streamed:])
+        streamed = max(streamed, new.shape[1])
     return streamed, stopped
+
+
+class Ends:
+    """Where each row's output ends, as transformers ends it: at its first EOS token, or at the
+    first token that completes one of the stop strings (which stays in the output, as with
+    transformers' StopStringCriteria); the device knows the EOS, the host finds the strings."""
+
+    def __init__(self, eos_ids, stop_strings, tokenizer, pad_id: int):
+        self.eos_ids, self.stop_strings = tuple(eos_ids or ()), tuple(stop_strings or ())
+        self.tokenizer, self.pad_id = tokenizer, pad_id
+
+    @property
+    def any(self) -> bool:
+        return bool(self.eos_ids or self.stop_strings)
+
+    def row_end(self, row: list[int]) -> int | None:
+        """The index of the token that ends ``row``, or None."""
+        eos = next((i for i, token in enumerate(row) if token in self.eos_ids), None)
+        limit = len(row) if eos is None else eos + 1
+        if not self.stop_strings or not self._has_stop(row[:limit]):
+            return eos
+        lo, hi = 0, limit - 1        # the first prefix holding a stop string, by bisection
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._has_stop(row[:mid + 1]) else (mid + 1, hi)
+        return lo
+
+    def _has_stop(self, ids: list[int]) -> bool:
+        text = self.tokenizer.decode(ids)
+        return any(s in text for s in self.stop_strings)
+
+    def all_ended(self, new: torch.Tensor) -> bool:
+        return all(self.row_end(row) is not None for row in new.tolist())
+
+    def trim(self, new: torch.Tensor) -> torch.Tensor:
+        """Pad after each row's end (the device already did after an EOS); drop the steps run
+        after every row had ended (transformers stops at that point)."""
+        if not self.any or new.numel() == 0:
+            return new
+        if not self.stop_strings:
+            return _trim(new, self.eos_ids)
+        new = new.clone()
+        ends = [self.row_end(row) for row in new.tolist()]
+        for r, end in enumerate(ends):
+            if end is not None:
+                new[r, end + 1:] = self.pad_id
+        if all(end is not None for end in ends):
+            new = new[:, :max(ends) + 1]
+        return new
 
 
 def _trim(new: torch.Tensor, eos_ids) -> torch.Tensor:

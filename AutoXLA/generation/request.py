@@ -11,12 +11,12 @@ import torch
 # do not either). Any other value is refused (beam search, penalties, constraints, ...). Fields not listed here and not read below
 # (token ids, cache_implementation, output flags that are False) do not change the tokens.
 _NEUTRAL = {
-    "num_beams": 1, "num_return_sequences": 1, "min_length": 0, "min_new_tokens": 0,
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
+    "num_beams": 1, "min_length": 0,
+    "encoder_repetition_penalty": 1.0, "length_penalty": 1.0,
     "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None,
     "typical_p": 1.0, "min_p": 0.0, "top_h": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
     "forced_bos_token_id": None, "forced_eos_token_id": None, "suppress_tokens": None,
-    "begin_suppress_tokens": None, "sequence_bias": None, "stop_strings": None,
+    "begin_suppress_tokens": None, "sequence_bias": None,
     "renormalize_logits": None, "remove_invalid_values": False, "guidance_scale": None,
     "exponential_decay_length_penalty": None, "watermarking_config": None,
     "penalty_alpha": None, "dola_layers": None, "num_beam_groups": 1, "diversity_penalty": 0.0,
@@ -42,6 +42,10 @@ class Request:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None   # the config's pad, else its first EOS, else None (transformers')
     seed: int
+    min_new_tokens: int = 0    # EOS suppressed before this many new tokens
+    repetition_penalty: float = 1.0
+    num_return_sequences: int = 1
+    stop_strings: tuple[str, ...] = ()
 
     @property
     def fill_token_id(self) -> int:
@@ -51,9 +55,11 @@ class Request:
 
     @property
     def sampling_key(self) -> tuple:
-        """What the compiled programs depend on (the values of temperature, top_p and the seed
-        are device data and do not)."""
-        return (self.do_sample, self.top_k, self.top_p < 1.0) if self.do_sample else (False,)
+        """What the compiled programs depend on (the values of temperature, top_p, the seed,
+        the minimum length and the penalty are device data and do not)."""
+        processors = (self.min_new_tokens > 0, self.repetition_penalty != 1.0)
+        return ((self.do_sample, self.top_k, self.top_p < 1.0) if self.do_sample
+                else (False,)) + processors
 
 
 # Image inputs of an image-text-to-text model (Mistral 3, LLaVA): the loop feeds tokens only.
@@ -61,8 +67,9 @@ _IMAGE_ARGUMENTS = ("pixel_values", "image_sizes", "pixel_attention_mask", "imag
 
 
 def build_request(model, prompt_length: int, generation_config=None, seed=None,
-                  **kwargs) -> Request:
-    """Merge ``kwargs`` into the model's generation config (transformers' own rules), validate."""
+                  tokenizer=None, **kwargs) -> Request:
+    """Merge ``kwargs`` into the model's generation config (transformers' own rules), validate.
+    ``tokenizer``: needed only for ``stop_strings``, as in transformers."""
     images = [name for name in _IMAGE_ARGUMENTS if kwargs.get(name) is not None]
     if images:
         raise ValueError(f"generate({', '.join(images)}=...): AutoXLA's fixed-shape generation is "
@@ -122,4 +129,32 @@ def build_request(model, prompt_length: int, generation_config=None, seed=None,
     if not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     return Request(max_new, do_sample, temperature, top_k if do_sample else None,
-                   top_p if do_sample else 1.0, eos, None if pad is None else int(pad), seed)
+                   top_p if do_sample else 1.0, eos, None if pad is None else int(pad), seed,
+                   *_processors(config, do_sample, tokenizer))
+
+
+def _processors(config, do_sample: bool, tokenizer) -> tuple:
+    """(min_new_tokens, repetition_penalty, num_return_sequences, stop_strings), checked as
+    transformers checks them."""
+    min_new = config.min_new_tokens or 0
+    if isinstance(min_new, bool) or not isinstance(min_new, int) or min_new < 0:
+        raise ValueError(f"min_new_tokens must be a non-negative int, got {min_new!r}")
+    penalty = 1.0 if config.repetition_penalty is None else config.repetition_penalty
+    if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not penalty > 0:
+        raise ValueError(f"repetition_penalty must be a number > 0, got {penalty!r} "
+                         "(1.0: no penalty)")
+    n = config.num_return_sequences or 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"num_return_sequences must be a positive int, got {n!r}")
+    if n > 1 and not do_sample:
+        raise ValueError(f"num_return_sequences={n} needs do_sample=True: greedy decoding would "
+                         "return the same sequence n times (transformers refuses it too)")
+    stops = config.stop_strings
+    stops = () if stops is None else ((stops,) if isinstance(stops, str) else tuple(stops))
+    if stops and (not all(isinstance(s, str) and s for s in stops)):
+        raise ValueError(f"stop_strings must be non-empty strings, got {config.stop_strings!r}")
+    if stops and tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass "
+                         "generate(..., stop_strings=[...], tokenizer=tokenizer), as in "
+                         "transformers")
+    return min_new, float(penalty), n, stops

@@ -52,15 +52,25 @@ def process(logits: torch.Tensor, s: RowSettings, seen: torch.Tensor, counts: to
     seen: [rows, vocab] bool, tokens of the prompt and the output (repetition penalty, as
     transformers counts the whole input); counts: [rows, vocab] int32, of the output only
     (presence and frequency, as OpenAI counts them); generated: [rows] new tokens so far."""
-    scores = logits.float()
-    rep = s.repetition.unsqueeze(1)
-    penalised = torch.where(scores < 0, scores * rep, scores / rep)
-    scores = torch.where(seen, penalised, scores)
+    scores = repetition_penalty(logits.float(), seen, s.repetition.unsqueeze(1))
     scores = scores - s.frequency.unsqueeze(1) * counts.float()
     scores = scores - s.presence.unsqueeze(1) * (counts > 0).float()
-    stops = torch.zeros_like(seen).scatter(1, s.stop_ids.clamp(min=0), s.stop_ids >= 0)
-    early = (generated < s.min_tokens).unsqueeze(1)
-    return scores.masked_fill(stops & early, float("-inf"))
+    return suppress(scores, s.stop_ids, generated < s.min_tokens)
+
+
+def repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit divided by the
+    penalty if positive, multiplied if negative (``penalty`` a tensor that broadcasts)."""
+    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(seen, penalised, scores)
+
+
+def suppress(scores: torch.Tensor, stop_ids: torch.Tensor, early: torch.Tensor) -> torch.Tensor:
+    """transformers' MinNewTokensLengthLogitsProcessor: ``stop_ids`` ([rows, S], -1 unused) at
+    -inf in the rows still ``early`` ([rows] bool: fewer new tokens than their minimum)."""
+    stops = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter(
+        1, stop_ids.clamp(min=0), stop_ids >= 0)
+    return scores.masked_fill(stops & early.unsqueeze(1), float("-inf"))
 
 
 def warp(scores: torch.Tensor, s: RowSettings) -> torch.Tensor:

@@ -79,12 +79,15 @@ def next_tokens(logits: torch.Tensor, sampler: "Sampler", step: torch.Tensor) ->
 
 @dataclass
 class Sampler:
-    """A request's sampling settings. Whether to sample and ``top_k`` are compiled into the
-    programs; temperature, top-p and the seed are device tensors, so their values change nothing
-    compiled (None where unused)."""
+    """A request's sampling settings. Whether to sample, ``top_k`` and which processors run are
+    compiled into the programs; temperature, top-p, the seed, the minimum length and the
+    repetition penalty are device tensors, so their values change nothing compiled (None where
+    unused)."""
 
     do_sample: bool
     top_k: int | None
     temperature: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     seed: torch.Tensor | None = None
+    min_new_tokens: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None

@@ -23,6 +23,7 @@ import torch
 
 from .. import backend
 from ..saving import unwrap
+from . import rows
 from .cache import pin, write_prompt
 from .sampling import Sampler, next_tokens
 from .stacked_cache import StackedStaticCache
@@ -36,15 +37,18 @@ _PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 @dataclass
 class Carry:
     """What one step hands to the next, on the device: the token each row picked, the tokens so
-    far ([batch, cache length]), which rows finished, and the step counter."""
+    far ([batch, cache length]), which rows finished, the step counter, and with a repetition
+    penalty which tokens each row has seen ([batch, vocab] bool: prompt and output)."""
 
     token: torch.Tensor
     tokens: torch.Tensor
     finished: torch.Tensor
     step: torch.Tensor
+    seen: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.token, self.tokens, self.finished, self.step]
+        return [self.token, self.tokens, self.finished, self.step,
+                *(() if self.seen is None else (self.seen,))]
 
 
 class Steps:
@@ -55,14 +59,18 @@ class Steps:
         self.do_sample = request.do_sample
         self.top_k = request.top_k if request.do_sample else None
         self.top_p = request.do_sample and request.top_p < 1.0
+        self.min_new = request.min_new_tokens > 0 and bool(request.eos_token_ids)
+        self.penalise = request.repetition_penalty != 1.0
+        self.n_carry = 5 if self.penalise else 4
         # The request's values are inputs, so another seed, pad id or temperature compiles
-        # nothing: [pad, seed, eos...] and [temperature, top-p], as vectors (torch_xla makes a
-        # 0-d tensor holding 0 or 1 a constant of the graph: another program).
+        # nothing: [pad, seed, min new tokens, eos...] and [temperature, top-p, repetition
+        # penalty], as vectors (torch_xla makes a 0-d tensor holding 0 or 1 a constant of the
+        # graph: another program).
         self.request = [
-            torch.tensor([request.fill_token_id, request.seed, *(request.eos_token_ids or (-1,))],
-                         dtype=torch.int64, device=device),
-            torch.tensor([request.temperature, request.top_p], dtype=torch.float32,
-                         device=device)]
+            torch.tensor([request.fill_token_id, request.seed, request.min_new_tokens,
+                          *(request.eos_token_ids or (-1,))], dtype=torch.int64, device=device),
+            torch.tensor([request.temperature, request.top_p, request.repetition_penalty],
+                         dtype=torch.float32, device=device)]
         hf = unwrap(model)
         self._programs = _PROGRAMS.setdefault(hf, {})
         self._weights = [*model.parameters(), *model.buffers()]
@@ -83,12 +91,14 @@ class Steps:
                    if k + " refused" in self._programs]
         return "every step (" + "; ".join(refused) + ")" if refused else "once"
 
-    def prefill(self, finished, ids, mask, positions) -> tuple[Carry, torch.Tensor]:
+    def prefill(self, finished, ids, mask, positions, columns) -> tuple[Carry, torch.Tensor]:
         """The prompt's forward, its keys and values into an empty cache, the first token.
+        ``columns``: 1 where ``ids`` holds the caller's input ids (not bucket padding): the
+        tokens a repetition penalty counts, as transformers counts its input_ids.
 
         The empty cache and the loop's first state are made inside the program: as inputs they
         would be one more program to compile (zeros) per call's first buckets."""
-        def body(sampler, eos, pad, finished, ids, mask, positions):
+        def body(sampler, eos, pad, finished, ids, mask, positions, *columns):
             from transformers.cache_utils import DynamicCache
 
             set_cache_state(self.cache, [torch.zeros_like(t) for t in cache_state(self.cache)])
@@ -99,17 +109,22 @@ class Steps:
             prompt_cache = DynamicCache()     # no config: full layers, the sliding ones too
             logits = forward_logits(self.model, ids, mask, positions, prompt_cache, self.keep)
             write_prompt(self.cache, prompt_cache, ids.shape[1], ids.device)
+            if columns:
+                counted = torch.zeros(logits.shape, dtype=torch.float32, device=ids.device)
+                carry.seen = counted.scatter_add(1, ids, columns[0].float()) > 0
             return self._advance(logits, sampler, carry, eos, pad)
 
-        return self._run("prefill", body, [finished, ids, mask, positions], cache_in=False)
+        args = [finished, ids, mask, positions, *((columns,) if self.penalise else ())]
+        return self._run("prefill", body, args, cache_in=False)
 
     def decode(self, carry: Carry, mask, lengths) -> tuple[Carry, torch.Tensor]:
         """One token per row through the model at its position; the next token."""
-        def body(sampler, eos, pad, token, tokens, finished, step, mask, lengths):
-            carry = Carry(token, tokens, finished, step)
+        def body(sampler, eos, pad, token, tokens, finished, step, *rest):
+            *seen, mask, lengths = rest
+            carry = Carry(token, tokens, finished, step, *seen)
             positions = (lengths + step - 1).unsqueeze(1)
-            logits = forward_logits(self.model, token.unsqueeze(1), mask, positions, self.cache,
-                              self.keep)
+            logits = forward_logits(self.model, token.unsqueeze(1), mask, positions,
+                                    self.cache, self.keep)
             return self._advance(logits, sampler, carry, eos, pad)
 
         return self._run("decode", body, [*carry.tensors(), mask, lengths], cache_in=True)
@@ -133,8 +148,9 @@ class Steps:
             outputs = program(inputs, self._weights)
         else:
             outputs = (fn or self._flat(body, len(args), cache_in))(inputs)
-        set_cache_state(self.cache, outputs[5:])
-        return Carry(*outputs[:4]), outputs[4]
+        n = self.n_carry
+        set_cache_state(self.cache, outputs[n + 1:])
+        return Carry(*outputs[:n]), outputs[n]
 
     def _flat(self, body, n_args: int, cache_in: bool):
         """``body`` as a function of one flat list (request, arguments, cache state if
@@ -148,7 +164,7 @@ class Steps:
                 set_cache_state(self.cache, tensors[n_request + n_args:])
             try:
                 ints, floats = request
-                new, done = body(self._sampler(ints, floats), ints[2:], ints[0], *args)
+                new, done = body(self._sampler(ints, floats), ints[3:], ints[0], *args)
                 return [*new.tensors(), done, *cache_state(self.cache)]
             finally:
                 set_cache_state(self.cache, real)   # the cache keeps no traced tensor
@@ -156,12 +172,21 @@ class Steps:
 
     def _sampler(self, ints, floats) -> Sampler:
         return Sampler(self.do_sample, self.top_k, floats[0], floats[1] if self.top_p else None,
-                       ints[1])
+                       ints[1], ints[2] if self.min_new else None,
+                       floats[2] if self.penalise else None)
 
     def _advance(self, logits, sampler, carry: Carry, eos, pad):
         """Pick each row's next token (pad once a row finished), record it, update the flags;
         the cache re-annotated with its plan."""
         pin(self.cache, self.kv, self.mesh)
+        # transformers' logits processors, before its warpers (next_tokens applies those)
+        if sampler.repetition_penalty is not None:
+            logits = rows.repetition_penalty(logits.float(), carry.seen,
+                                             sampler.repetition_penalty)
+        if sampler.min_new_tokens is not None:
+            batch = logits.shape[0]
+            logits = rows.suppress(logits.float(), eos.unsqueeze(0).expand(batch, -1),
+                                   (carry.step < sampler.min_new_tokens).expand(batch))
         token = next_tokens(logits, sampler, carry.step)
         token = torch.where(carry.finished, pad.expand_as(token), token)
         tokens = carry.tokens.index_copy(1, carry.step.reshape(1), token.unsqueeze(1))
@@ -171,7 +196,11 @@ class Steps:
         tokens, token = replicated(tokens, self.mesh), replicated(token, self.mesh)
         finished = replicated(carry.finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1),
                               self.mesh)
-        return Carry(token, tokens, finished, carry.step + 1), finished.all()
+        seen = carry.seen
+        if seen is not None:
+            seen = seen.scatter(1, token.unsqueeze(1), torch.ones_like(token.unsqueeze(1),
+                                                                      dtype=torch.bool))
+        return Carry(token, tokens, finished, carry.step + 1, seen), finished.all()
 
 
 def replicated(t: torch.Tensor, mesh) -> torch.Tensor:

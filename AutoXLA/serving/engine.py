@@ -241,6 +241,7 @@ class SlotEngine:
                 out[j] = full.index_copy(row_dim, row, block)
         set_cache_state(self.cache, out)
 
+    @torch.no_grad()   # as generate: no autograd graph, and the scanned stack runs as a loop
     def _call(self, kind: str, body, args: list, row_out, key=None):
         """Run ``body(*args, *state)`` traced once; the new state kept, the picks read back."""
         n_args = len(args)

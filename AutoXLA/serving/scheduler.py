@@ -214,7 +214,17 @@ class Scheduler:
 
     def _deliver(self, row: int, picked: Picked, at: int) -> None:
         """Hand ``row``'s new token (``at`` in ``picked``) to its sequence; free the slot if the
-        sequence ended."""
+        sequence ended. A failure here (the tokenizer's, a client's callback) ends that sequence
+        with an error, not the loop every other request depends on."""
+        try:
+            self._hand_over(row, picked, at)
+        except Exception:  # noqa: BLE001 - one sequence's failure, reported to its client
+            logger.exception("serving: a sequence failed; its slot is freed")
+            live = self.live.pop(row, None)
+            if live is not None:
+                self._finish(live.seq, "error")
+
+    def _hand_over(self, row: int, picked: Picked, at: int) -> None:
         seq = self.live[row].seq
         token = picked.tokens[at]
         now = time.perf_counter()
@@ -245,4 +255,7 @@ class Scheduler:
         seq.finish_reason = reason
         if self.metrics is not None:
             self.metrics.finished(seq)
-        seq.emit("done", reason)
+        try:
+            seq.emit("done", reason)
+        except Exception:  # noqa: BLE001 - a client's callback must not stop the loop
+            logger.exception("serving: a sequence's end could not be delivered")

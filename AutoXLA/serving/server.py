@@ -363,7 +363,8 @@ class _Reply:
             self.cancel()
             raise
         if any(r == "error" for r in reasons):
-            raise BadRequest(f"generation failed: {self.server.scheduler.error}", status=500)
+            why = self.server.scheduler.error or "see the server's log"
+            raise BadRequest(f"generation failed: {why}", status=500)
         choices = [self._choice(i, self.texts[i], self.tokens[i], reasons[i], whole=True)
                    for i in range(len(self.seqs))]
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else

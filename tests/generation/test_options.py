@@ -60,7 +60,11 @@ def cpu_llama(reference_models):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_beams=2), "num_beams=2 is not supported"),
-    (dict(repetition_penalty=1.3), "repetition_penalty=1.3 is not supported"),
+    (dict(no_repeat_ngram_size=3), "no_repeat_ngram_size=3 is not supported"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a number > 0"),
+    (dict(num_return_sequences=2), "num_return_sequences"),
+    (dict(min_new_tokens=-1), "min_new_tokens must be a non-negative int"),
+    (dict(stop_strings=["x"]), "stop_strings need the model's tokenizer"),
     (dict(logits_processor=[object()]), "logits_processor"),
     (dict(use_cache=False), "use_cache=False"),
     (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),

@@ -329,11 +329,36 @@ def test_a_request_past_its_time_answers_504_and_frees_its_slot(served):
     assert wait_for_idle(server)
 
 
+def test_a_failing_sequence_ends_alone(served):
+    """A sequence whose delivery fails (here its callback raises) ends with an error and frees
+    its slot; the loop, and a request beside it, go on."""
+    from AutoXLA.serving.engine import Sampling
+    from AutoXLA.serving.scheduler import Sequence
+
+    url, server = served[:2]
+    ended = []
+
+    def broken(kind, payload):
+        if kind == "token":
+            raise RuntimeError("a client callback failed")
+        ended.append(payload)
+
+    seq = Sequence([1, 2, 3], Sampling(), 8, frozenset({2}), (), broken)
+    server.scheduler.submit([seq])
+    r = post(url, "/v1/completions", {"model": "tiny", "prompt": "Once upon a time",
+                                      "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert wait_for_idle(server) and ended == ["error"] and server.scheduler.error is None
+
+
 def test_no_program_compiled_after_warm_up(served):
     """Last of the module's traffic tests: everything above ran on the warm-up's programs,
     each traced once (a step traced every time would compile per token)."""
     assert backend.compile_count() == served[4]
     assert served[1].engine.traced == "once"
+    # traced as a loop over the stacked layers (under autograd the stack would unroll: a 2x
+    # slower step for SmolLM2)
+    assert served[1].model.model.layers.last_mode == "scanned"
 
 
 def test_shutdown_finishes_running_requests_then_refuses(served):
