@@ -76,13 +76,10 @@ def sequential(model, ids_list, tokens: int) -> dict:
 
 
 def served(model, tokenizer, ids_list, tokens: int, clients: int) -> dict:
-    import socket
-
-    import uvicorn
     from openai import OpenAI
 
     from AutoXLA import backend
-    from AutoXLA.serving import ServeConfig, Server
+    from AutoXLA.serving import Background, ServeConfig, Server
 
     longest = max(len(i) for i in ids_list)
     server = Server(model, tokenizer, ServeConfig(slots=clients, max_prompt_tokens=longest,
@@ -90,17 +87,8 @@ def served(model, tokenizer, ids_list, tokens: int, clients: int) -> dict:
     t0 = time.perf_counter()
     compiled = server.warm_up(progress=False)
     warm = time.perf_counter() - t0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    web = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    while not web.started:
-        time.sleep(0.05)
-    api = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                 timeout=3600)
+    web = Background(server)
+    api = OpenAI(base_url=web.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
     before = backend.compile_count()
     results = [None] * len(ids_list)
 
@@ -123,8 +111,7 @@ def served(model, tokenizer, ids_list, tokens: int, clients: int) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     compiled_serving = backend.compile_count() - before
-    web.should_exit = True
-    thread.join(timeout=60)
+    web.stop()
     ttft = [stamps[0] - start for start, stamps, _ in results]
     itl = [b - a for _, stamps, _ in results for a, b in zip(stamps, stamps[1:])]
     return dict(wall=wall, tokens=sum(c for _, _, c in results), ttft=ttft, itl=itl,

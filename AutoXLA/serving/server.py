@@ -484,6 +484,35 @@ def torch_ids(length: int):
     return torch.ones(length, dtype=torch.int64)
 
 
+class Background:
+    """A Server's app listening in a thread of this process (notebooks, tests, benchmarks):
+    ``url`` is its base (``.../v1`` for the openai client), ``stop()`` ends it gracefully."""
+
+    def __init__(self, server: Server, host: str = "127.0.0.1", port: int | None = None):
+        import socket
+        import threading
+
+        import uvicorn
+
+        if port is None:                     # a free port, picked by the system
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self._web = uvicorn.Server(uvicorn.Config(server.app(), host=host, port=port,
+                                                  log_level="warning"))
+        self._thread = threading.Thread(target=self._web.run, daemon=True)
+        self._thread.start()
+        while not self._web.started:
+            if not self._thread.is_alive():
+                raise OSError(f"the server could not listen on {host}:{port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._web.should_exit = True
+        self._thread.join(timeout=120)
+
+
 def serve(model, tokenizer, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
           progress: bool = True) -> None:
     """Warm up (every program compiled, with a progress bar), then serve until interrupted."""

@@ -7,7 +7,6 @@ transformers' own processors, and no program may compile once the server is warm
 import concurrent.futures
 import json
 import socket
-import threading
 import time
 
 import httpx2 as httpx   # the HTTP client the openai package itself uses
@@ -30,10 +29,8 @@ SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1234)
 def served(chat_checkpoint, xla_devices):
     """(base URL, Server, tokenizer, references) with the server warm; references are
     ``model.generate``'s new token ids per prompt (greedy and one sampled), made first."""
-    import uvicorn
-
     from AutoXLA.modeling import AutoXLAModelForCausalLM
-    from AutoXLA.serving import ServeConfig, Server
+    from AutoXLA.serving import Background, ServeConfig, Server
 
     path, tokenizer = chat_checkpoint
     model = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy="fsdp")
@@ -48,17 +45,10 @@ def served(chat_checkpoint, xla_devices):
     server = Server(model, tokenizer, ServeConfig(slots=8, max_prompt_tokens=64, max_tokens=32,
                                                   max_queue=24, model_name="tiny"))
     server.warm_up(progress=False)
-    port = free_port()
-    web = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=web.run, daemon=True)
-    thread.start()
-    while not web.started:
-        time.sleep(0.05)
+    web = Background(server)
     compiled = backend.compile_count()
-    yield f"http://127.0.0.1:{port}", server, tokenizer, refs, compiled
-    web.should_exit = True
-    thread.join(timeout=60)
+    yield web.url, server, tokenizer, refs, compiled
+    web.stop()
 
 
 def new_ids(out, ids):
