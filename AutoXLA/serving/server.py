@@ -249,6 +249,9 @@ class Server:
             if len(ids) > limit:
                 raise BadRequest(f"the prompt has {len(ids)} tokens, more than this server's "
                                  f"limit of {limit} (--max-prompt-tokens)", "prompt")
+        if max_tokens < 1:
+            raise BadRequest("the prompt leaves no room for an answer within the model's "
+                             f"{self.max_positions} positions", "messages")
         if max_tokens > self.config.max_tokens:
             raise BadRequest(f"max_tokens={max_tokens} is more than this server's limit of "
                              f"{self.config.max_tokens} (--max-tokens)", "max_tokens")
