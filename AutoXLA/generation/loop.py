@@ -212,12 +212,12 @@ def _check(done, tokens, streamer, streamed: int, upto: int, batch: int, ends: "
     streamer or stop strings, which read the tokens), the streamer given the new tokens up to
     and including the first EOS or stop string."""
     stopped = bool(done.cpu())
-    if streamer is None and not ends.stop_strings:
+    streams = streamer is not None and batch == 1
+    if not streams and not ends.stop_strings:
         return streamed, stopped
-    new = ends.trim(tokens.cpu()[:batch, :upto])
-    if ends.stop_strings and not stopped:
-        stopped = ends.all_ended(new)
-    if streamer is not None and batch == 1:
+    new, ended = ends.cut(tokens.cpu()[:batch, :upto])
+    stopped = stopped or ended
+    if streams:
         streamer.put(new[0, streamed:])
         streamed = max(streamed, new.shape[1])
     return streamed, stopped
@@ -252,24 +252,24 @@ class Ends:
         text = self.tokenizer.decode(ids)
         return any(s in text for s in self.stop_strings)
 
-    def all_ended(self, new: torch.Tensor) -> bool:
-        return all(self.row_end(row) is not None for row in new.tolist())
-
     def trim(self, new: torch.Tensor) -> torch.Tensor:
-        """Pad after each row's end (the device already did after an EOS); drop the steps run
-        after every row had ended (transformers stops at that point)."""
+        return self.cut(new)[0]
+
+    def cut(self, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(``new`` padded after each row's end, the device having done so after an EOS, and
+        without the steps run after every row had ended, where transformers stops; whether
+        every row has ended: known for stop strings only, else False, as the device says)."""
         if not self.any or new.numel() == 0:
-            return new
+            return new, False
         if not self.stop_strings:
-            return _trim(new, self.eos_ids)
+            return _trim(new, self.eos_ids), False
         new = new.clone()
         ends = [self.row_end(row) for row in new.tolist()]
         for r, end in enumerate(ends):
             if end is not None:
                 new[r, end + 1:] = self.pad_id
-        if all(end is not None for end in ends):
-            new = new[:, :max(ends) + 1]
-        return new
+        ended = all(end is not None for end in ends)
+        return (new[:, :max(ends) + 1] if ended else new), ended
 
 
 def _trim(new: torch.Tensor, eos_ids) -> torch.Tensor:
