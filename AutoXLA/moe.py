@@ -85,10 +85,7 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
                                   hidden_states.dtype)
     down_proj, down_transposed = _weight(self, "down_proj", hidden_states.dtype)
     num_experts = experts.shape[0]
-    # routing[t, e]: the weight token t gives expert e (0 for the experts it did not choose).
-    routing = torch.zeros(hidden_states.shape[0], num_experts, dtype=top_k_weights.dtype,
-                          device=hidden_states.device)
-    routing = routing.scatter_add(1, top_k_index.long(), top_k_weights)
+    routing = routing_matrix(top_k_index, top_k_weights, num_experts)
     # Expert parallelism (the plan's choice, set by ``place``): the [tokens, experts, ...]
     # intermediates stay split by expert, so the tokens travel to the experts rather than
     # the experts' weights to the tokens (which XLA chose for the backward when left alone).
@@ -106,6 +103,24 @@ def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.
         down = backend.constrain(down, split)
     out = torch.einsum("teh,te->th", down, routing.to(down.dtype))
     return out.to(hidden_states.dtype)
+
+
+def routing_matrix(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   num_experts: int) -> torch.Tensor:
+    """routing[t, e]: the weight token t gives expert e, 0 for the experts it did not choose
+    (top_k_index / top_k_weights [tokens, k] -> [tokens, experts]).
+
+    A comparison with each expert's number, not a scatter: XLA's SPMD partitioner scatters the
+    padding of an unevenly split index tensor into row 0. transformers' routers leave their
+    [tokens, k] outputs split on k whenever the router's bias is split over more devices than
+    k (gpt-oss: 4 experts over fsdp=4, top-2, the batch not dividing data x fsdp), and a scatter
+    there silently added garbage to the first token's routing: row 0's logits were wrong at
+    every position (issue 43). The chosen experts are distinct, so each entry is one weight
+    plus exact zeros: the same numbers as transformers' scatter, and no scatter on a TPU.
+    """
+    experts = torch.arange(num_experts, device=top_k_index.device)
+    chosen = top_k_index.long().unsqueeze(-1) == experts                  # [T, k, E]
+    return (chosen.to(top_k_weights.dtype) * top_k_weights.unsqueeze(-1)).sum(dim=1)
 
 
 def _weight(module: nn.Module, leaf: str, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
