@@ -33,13 +33,25 @@ from .. import backend
 PINNED = {"jax": "0.7.1", "jaxlib": "0.7.1"}   # what torch_xla 2.9.0's `pallas` extra pins
 
 
+# What a user runs to get the emulated kernels: the JAX stack torch_xla 2.9's `pallas` extra pins,
+# and torchax (the copy inside the torch_xla wheel imports flax). pyproject.toml's `emulation`
+# extra and requirements-tpu-emulation.lock list the same.
+INSTALL = (f"pip install 'jax=={PINNED['jax']}' 'jaxlib=={PINNED['jaxlib']}' 'torchax==0.0.7' "
+           "(or pip install 'autoxla[emulation]'); from a checkout, `./run emulated -m "
+           "AutoXLA.cli doctor --selftest` runs with them without installing anything")
+
+
+class EmulationUnavailable(ImportError):
+    """The emulated TPU kernels need JAX, an optional dependency this environment lacks: a user's
+    installation to complete, not a bug (the command reports it as a user error)."""
+
+
 def missing() -> str | None:
-    """Why emulation cannot run in this environment, or None."""
+    """Why emulation cannot run in this environment (with how to fix it), or None."""
     for name in ("jax", "jaxlib"):
         if importlib.util.find_spec(name) is None:
-            return (f"{name} is not installed: the emulated TPU kernels need jax=={PINNED['jax']} "
-                    f"and jaxlib=={PINNED['jaxlib']} (torch_xla[pallas]); ./run builds them "
-                    "into requirements-tpu-emulation.lock's overlay")
+            return (f"{name} is not installed, and off a TPU the Pallas kernels run emulated, "
+                    f"which needs JAX: {INSTALL}")
     return None
 
 
@@ -54,7 +66,7 @@ def enable() -> None:
         return
     why = missing()
     if why:
-        raise RuntimeError(why)
+        raise EmulationUnavailable(why)
 
     if backend.on_tpu():
         raise RuntimeError("this process runs on a TPU: the real kernels run, not their emulation")

@@ -91,3 +91,17 @@ def test_doctor_warns_when_the_compile_cache_can_exhaust_memory_mappings(tmp_pat
     assert "256 programs (XLA_COMPILATION_CACHE_SIZE)" in m["detail"]
     # No /proc: nothing to check, no crash.
     assert doctor.mappings(str(tmp_path / "absent"))["max_map_count"] is None
+
+
+def test_selftest_without_jax_is_a_user_error_saying_how_to_get_it(capsys, xla_devices):
+    # Issue 43: a user who installed the package ran `autoxla doctor --selftest` and was told to
+    # report a bug for a missing optional dependency.
+    from AutoXLA.kernels import interpret
+
+    if interpret.missing() is None:
+        pytest.skip("JAX is importable here: the emulated kernels run (tests/tpu_emulation)")
+    assert main(["doctor", "--selftest"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoxla: error: jax is not installed") and "internal error" not in err
+    assert "pip install 'jax==0.7.1'" in err and "autoxla[emulation]" in err
+    assert "./run emulated -m AutoXLA.cli doctor --selftest" in err
