@@ -507,12 +507,27 @@ def pallas_quantized_matmul(x, w, scale, *, quantize_activation: bool, batch_blo
     row_shards = int(np.prod([sizes[a] for a in rows])) if rows else 1
     rows = rows if rows and x.shape[0] % row_shards == 0 else None
     outs = "model" if sizes.get("model", 1) > 1 and w.shape[0] % sizes["model"] == 0 else None
-    local_x = xs.enable_manual_sharding(x, (rows, None), mesh=mesh).global_tensor
-    local_w = xs.enable_manual_sharding(w, (outs, None), mesh=mesh).global_tensor
-    local_s = xs.enable_manual_sharding(scale, (outs,), mesh=mesh).global_tensor
+    local_x = xs.enable_manual_sharding(_graph_node(x), (rows, None), mesh=mesh).global_tensor
+    local_w = xs.enable_manual_sharding(_graph_node(w), (outs, None), mesh=mesh).global_tensor
+    local_s = xs.enable_manual_sharding(_graph_node(scale), (outs,), mesh=mesh).global_tensor
     local = call_jax(quantized_matmul_int8, (local_x, local_w, local_s), kwargs)
     full = (x.shape[0], w.shape[0])
     return xs.disable_manual_sharding(local, (rows, outs), full, mesh=mesh).global_tensor
+
+
+def _graph_node(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a node of the traced graph, never a device buffer, for a sharding annotation.
+
+    ``mark_sharding`` (which ``enable_manual_sharding`` starts with) annotates a graph node, but
+    on a tensor that is a device buffer, such as a parameter of an unrolled decoder layer, it
+    re-lays out the buffer itself: through the host when the buffer is replicated (silently
+    changing the model's planned layout), and not at all when it is split some other way
+    ("Existing annotation must be cleared first", issue 43). A scanned stack never showed it: its
+    layers' weights are slices of the stacked tensors, graph nodes already. ``clone``,
+    ``detach`` and ``contiguous`` of a buffer are still the buffer to torch_xla (its IR is the
+    same ``device_data``); a multiplication by one is a node of its own, which XLA's
+    simplifier removes (and exact for every dtype, -0.0 included)."""
+    return t * 1
 
 
 def compiled_anything() -> bool:

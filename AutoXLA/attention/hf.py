@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from .. import backend
+from ..sharding.attention_heads import KernelHeads
 from . import tpu
 from .blockwise import blockwise_attention
 from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
@@ -49,6 +50,7 @@ class LayerAttention:
     kernel: str
     config: AttentionConfig
     mesh: object = None
+    heads: KernelHeads | None = None   # the plan's head split (sharding/attention_heads.py)
 
 
 # For a model that was not loaded by AutoXLA but asks for a registered name: the portable path
@@ -194,14 +196,14 @@ def _on_tpu(layer, query, key, value, scale, window, softcap, segments):
     if layer.kernel == "splash_attention":
         return tpu.run_splash(tpu.splash_arguments(
             query, key, value, scale=scale, window=window, softcap=softcap,
-            segment_ids=segments, mesh=layer.mesh, cfg=layer.config))
+            segment_ids=segments, mesh=layer.mesh, cfg=layer.config, heads=layer.heads))
     if not tpu.flash_supports(window, softcap):
         warn_once("flash-window-softcap", "xla_flash_attention has no sliding window or logit "
                   "soft-cap; layers that use them run the portable path (splash_attention has both)")
         return None
     return tpu.run_flash(tpu.flash_arguments(
         query, key, value, scale=scale, causal=True, segment_ids=segments, mesh=layer.mesh,
-        cfg=layer.config))
+        cfg=layer.config, heads=layer.heads))
 
 
 def _eager(module, query, key, value, attention_mask, **kwargs):

@@ -5,7 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from ..planning.plan import LayerAttentionPlan
+from ..sharding.attention_heads import kernel_heads
 from ..sharding.configs import decoder_config
+from ..sharding.mesh import MeshShape, validate_mesh_axes
 from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
 from .hf import LayerAttention, register, warn_once
 
@@ -16,17 +18,18 @@ def patch_attention(model: nn.Module, implementation: str, cfg: AttentionConfig,
     Returns the number of attention modules patched."""
     if implementation not in KERNELS:
         raise ValueError(f"unknown attention kernel {implementation!r}; use one of {KERNELS}")
-    return apply_attention(model, plan_attention(model, implementation, cfg), cfg, mesh)
+    return apply_attention(model, plan_attention(model, implementation, cfg, mesh), cfg, mesh)
 
 
-def plan_attention(model: nn.Module, implementation: str,
-                   cfg: AttentionConfig | None) -> LayerAttentionPlan | None:
+def plan_attention(model: nn.Module, implementation: str, cfg: AttentionConfig | None,
+                   mesh=None) -> LayerAttentionPlan | None:
     """Which kernel each attention module of ``model`` will run (it may be empty: nothing is read
     but its structure): ``implementation`` in the layers ``cfg.layers`` names (all by default),
     the model's eager attention in the others, and in all of them when the model has attention
     sinks, which no kernel implements; None for "eager" (nothing is patched). A model with no
     attention module that goes through transformers' attention interface is an error rather
-    than a silent no-op."""
+    than a silent no-op. With the ``mesh`` (a MeshShape, or a torch_xla Mesh), also how the
+    kernel splits the heads over it (sharding/attention_heads.py)."""
     if implementation == "eager":
         return None
     cfg = cfg if cfg is not None else AttentionConfig()
@@ -54,7 +57,20 @@ def plan_attention(model: nn.Module, implementation: str,
     chosen = {path: implementation if cfg.patches(getattr(m, "layer_idx", None)) else "eager"
               for path, m in modules}
     why = "" if cfg.layers is None else f"attention_config['layers'] = {list(cfg.layers)}"
-    return LayerAttentionPlan(implementation, chosen, why)
+    return LayerAttentionPlan(implementation, chosen, why,
+                              _heads(implementation, decoder, cfg, mesh))
+
+
+def _heads(kernel: str, decoder, cfg: AttentionConfig, mesh):
+    """The plan's head split for ``kernel`` on ``mesh``, from the text decoder's head counts;
+    None without a mesh or head counts (each call then decides from its shapes)."""
+    heads = getattr(decoder, "num_attention_heads", None)
+    kv_heads = getattr(decoder, "num_key_value_heads", None) or heads
+    if mesh is None or not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return None
+    if not isinstance(mesh, MeshShape):     # a torch_xla Mesh
+        mesh = validate_mesh_axes(mesh.axis_names, mesh.mesh_shape, len(mesh.device_ids))
+    return kernel_heads(kernel, heads, kv_heads, mesh, cfg.qkv_partition_spec)
 
 
 def apply_attention(model: nn.Module, planned: LayerAttentionPlan, cfg: AttentionConfig,
@@ -69,7 +85,7 @@ def apply_attention(model: nn.Module, planned: LayerAttentionPlan, cfg: Attentio
     for path, kernel in planned.modules.items():
         chosen = kernel != "eager"
         model.get_submodule(path).autoxla_attention = (
-            LayerAttention(kernel, cfg, mesh) if chosen else None)
+            LayerAttention(kernel, cfg, mesh, planned.heads) if chosen else None)
         patched += chosen
     config = getattr(model, "config", None)
     if config is not None:

@@ -9,6 +9,9 @@ the end (kernel_length), for the call; both are sliced off after it. Facts the t
 
 - ``flash_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale, partition_spec=,
   mesh=)``: [B, H, S, D], no GQA (kv heads are repeated here), no soft-cap, no window.
+- Both split q, k and v by one spec, heads over its heads axes: how the heads are split (or kv
+  heads repeated, or heads kept whole) is the plan's decision (sharding/attention_heads.py,
+  ``plan.layer_attention.heads``), applied here.
 - ``splash_attention(q, k, v, config_json, decoder_segment_ids, causal, attn_logits_soft_cap)``:
   GQA native, no ``sm_scale`` (q is pre-scaled), Sq == Skv, the mesh string inside the JSON, and a
   local window ``LocalMask(window_size=(w, w))`` that admits ``q - w <= k``: transformers' window
@@ -21,15 +24,38 @@ import dataclasses
 import numpy as np
 import torch
 
+from ..sharding.attention_heads import KernelHeads, kernel_heads
+from ..sharding.mesh import validate_mesh_axes
 from .config import AttentionConfig
 
 
-def default_qkv_spec(num_heads: int, mesh) -> tuple:
-    """Batch over (data, fsdp); heads over model when they divide it, else replicated."""
-    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
-    model = sizes.get("model", 1)
-    heads = "model" if model > 1 and num_heads % model == 0 else None
-    return (("data", "fsdp"), heads, None, None)
+def call_heads(kernel: str, q, k, mesh, cfg: AttentionConfig,
+               heads: KernelHeads | None) -> KernelHeads:
+    """The plan's head split for this call, checked against its shapes; decided here by the same
+    rule when the plan has none (a config without head counts)."""
+    if heads is None:
+        shape = validate_mesh_axes(mesh.axis_names, mesh.mesh_shape, len(mesh.device_ids))
+        return kernel_heads(kernel, q.shape[1], k.shape[1], shape, cfg.qkv_partition_spec)
+    heads.check(q.shape[1], k.shape[1])
+    return heads
+
+
+def qkv_spec(heads: KernelHeads, cfg: AttentionConfig) -> tuple:
+    """The kernels' q/k/v spec: the batch over (data, fsdp) (or the user's spec's batch and
+    trailing entries) and the heads as ``heads`` splits them."""
+    user = cfg.qkv_partition_spec
+    if user is None:
+        return (("data", "fsdp"), heads.spec_entry, None, None)
+    return (user[0], heads.spec_entry, user[2], user[3])
+
+
+def _repeat_kv(k, v, heads: KernelHeads):
+    """transformers' repeat_kv order: kv head j becomes heads j*r .. j*r+r-1, so query head h
+    (which read kv head h // G) reads repeated head h // (G/r), a copy of the same one."""
+    if heads.kv_repeat == 1:
+        return k, v
+    return (k.repeat_interleave(heads.kv_repeat, dim=1),
+            v.repeat_interleave(heads.kv_repeat, dim=1))
 
 
 def batch_shards(spec: tuple, mesh) -> int:
@@ -62,11 +88,11 @@ def flash_supports(window: int | None, softcap: float | None) -> bool:
 
 
 def flash_arguments(q, k, v, *, scale: float, causal: bool, segment_ids, mesh,
-                    cfg: AttentionConfig) -> dict:
-    batch, groups = q.shape[0], q.shape[1] // k.shape[1]
-    if groups > 1:   # transformers' repeat_kv order: kv head h serves query heads h*G .. h*G+G-1
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    spec = cfg.qkv_partition_spec or default_qkv_spec(q.shape[1], mesh)
+                    cfg: AttentionConfig, heads: KernelHeads | None = None) -> dict:
+    heads = call_heads("xla_flash_attention", q, k, mesh, cfg, heads)
+    batch = q.shape[0]
+    k, v = _repeat_kv(k, v, heads)     # flash has no GQA: to the query heads
+    spec = qkv_spec(heads, cfg)
     rows, seq = _whole_shards(spec, mesh, q.shape[0]), q.shape[2]
     length = flash_length(seq)
     q, k, v = (_pad_positions(_pad_rows(t, rows), length, dim=2) for t in (q, k, v))
@@ -125,8 +151,11 @@ def kernel_length(seq_len: int, configured: list[int], ignore_below: int = 0) ->
 
 
 def splash_arguments(q, k, v, *, scale: float, window: int | None, softcap: float | None,
-                     segment_ids, mesh, cfg: AttentionConfig) -> dict:
-    spec = cfg.qkv_partition_spec or default_qkv_spec(q.shape[1], mesh)
+                     segment_ids, mesh, cfg: AttentionConfig,
+                     heads: KernelHeads | None = None) -> dict:
+    heads = call_heads("splash_attention", q, k, mesh, cfg, heads)
+    k, v = _repeat_kv(k, v, heads)     # only where the kv heads alone do not divide the axes
+    spec = qkv_spec(heads, cfg)
     layer_cfg = dataclasses.replace(
         cfg.with_mesh(mesh), qkv_partition_spec=spec,
         attentiontype_local_sliding=window is not None,

@@ -75,7 +75,7 @@ def plan_for_mesh(r, config, strategy: str, mesh, scan_layers: bool = True,
     attention kernel each layer would run (``attention_config``: an AttentionConfig or its
     dict, as from_pretrained takes it) and the links of the ``multislice`` it spans."""
     layer_attention = plan_attention(r.model, attn_implementation,
-                                     AttentionConfig.from_any(attention_config))
+                                     AttentionConfig.from_any(attention_config), mesh)
     return build_plan(r.model, config, mesh, strategy, r.dtype, r.tied, scan_layers=scan_layers,
                       quantization=r.quantization, layer_attention=layer_attention,
                       multislice=multislice)

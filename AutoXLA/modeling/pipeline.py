@@ -153,12 +153,13 @@ def make_plan(resolved: Resolved):
     """Step 2: the mesh and the plan of every tensor on it, of each attention module's kernel
     and of the decoder stack."""
     choices = resolved.choices
-    layer_attention = plan_attention(resolved.model, choices.attention, choices.attention_config)
     if choices.mesh is not None:
         shape, mesh = backend.adopt_user_mesh(choices.mesh)
     else:
         shape = mesh_shape_for(choices.strategy, backend.device_count())
         mesh = backend.make_mesh(shape, choices.multislice)
+    layer_attention = plan_attention(resolved.model, choices.attention, choices.attention_config,
+                                     shape)
     host = backend.current_host()
     simulated = f"{host.index}/{host.count}" if host.simulated else None
     if simulated:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..sharding import rules
+from ..sharding.attention_heads import KernelHeads
 from ..sharding.configs import module_configs
 from ..sharding.decoder_stack import StackPlan, plan_stack
 from ..sharding.kv_cache import KVCachePlan, attention_shape, kv_cache_for
@@ -64,6 +65,10 @@ class LayerAttentionPlan:
     kernel: str                   # what the text decoder's config names: the kernel, or "eager"
     modules: dict[str, str]       # attention module path -> its kernel, or "eager" (the model's)
     reason: str = ""              # why some or all of them stay eager
+    # How the kernel splits the heads over the mesh (sharding/attention_heads.py): split, kv
+    # heads repeated, or whole, and why. None when no kernel runs, or the config has no head
+    # counts (then each call decides from its shapes, by the same rule).
+    heads: KernelHeads | None = None
 
     def describe(self) -> str:
         eager = [p for p, k in self.modules.items() if k == "eager"]
@@ -217,6 +222,8 @@ class Plan:
                          "included above")
         if self.layer_attention is not None:
             lines.append(self.layer_attention.describe())
+            if self.layer_attention.heads is not None:
+                lines.append(self.layer_attention.heads.describe(self.mesh))
         if self.stack is not None:
             lines.append(self.stack.describe())
         if self.attention is not None:

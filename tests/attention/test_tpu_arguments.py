@@ -50,13 +50,87 @@ def test_flash_repeats_kv_heads_in_transformers_order():
     assert a["partition_spec"] == (("data", "fsdp"), "model", None, None)
 
 
-@pytest.mark.parametrize("shape,heads,spec", [
-    ((1, 8, 1), 8, (("data", "fsdp"), None, None, None)),     # no model axis to split heads on
-    ((1, 4, 2), 6, (("data", "fsdp"), "model", None, None)),
-    ((1, 1, 8), 6, (("data", "fsdp"), None, None, None)),     # 6 heads do not divide model=8
-])
-def test_partition_spec_comes_from_the_mesh(shape, heads, spec):
-    assert tpu.default_qkv_spec(heads, FakeMesh(shape)) == spec
+# (kernel, query heads, kv heads, mesh) -> (heads axes, kv repeat, words of the reason).
+# Issue 43's cases: Qwen2.5-7B (28 / 4) on model=8, Llama-3-70B (64 / 8) on model=16, the
+# 6 / 3-head Llama and Gemma 2 fixtures on model=2.
+HEAD_CASES = [
+    ("splash_attention", 8, 8, (1, 8, 1), (), 1, ""),             # no model axis to split on
+    ("splash_attention", 32, 8, (1, 4, 2), ("model",), 1, ""),    # both divide
+    ("splash_attention", 6, 3, (1, 4, 2), ("model",), 2, "3 kv heads do not divide model=2"),
+    ("splash_attention", 12, 3, (1, 4, 2), ("model",), 2, "6 do"),   # 2x, not the group's 4x
+    ("splash_attention", 64, 8, (1, 1, 16), ("model",), 2, "its 4 query heads"),
+    ("splash_attention", 28, 4, (1, 1, 8), (), 1, "28 query heads do not divide model=8"),
+    ("xla_flash_attention", 28, 4, (1, 1, 8), (), 7, "no grouped-query attention"),
+    ("xla_flash_attention", 64, 8, (1, 1, 16), ("model",), 8, "no grouped-query attention"),
+    ("xla_flash_attention", 8, 8, (1, 4, 2), ("model",), 1, ""),
+]
+
+
+@pytest.mark.parametrize("kernel,heads,kv_heads,shape,axes,repeat,why", HEAD_CASES)
+def test_the_head_split_of_the_kernels(kernel, heads, kv_heads, shape, axes, repeat, why):
+    from AutoXLA.sharding.attention_heads import kernel_heads
+    from AutoXLA.sharding.mesh import MeshShape
+
+    decided = kernel_heads(kernel, heads, kv_heads, MeshShape(*shape))
+    assert (decided.axes, decided.kv_repeat) == (axes, repeat)
+    assert why in decided.reason and bool(decided.reason) == bool(why)
+    # Whatever was decided, every tensor the kernel gets divides its heads axes.
+    size = MeshShape(*shape).size(axes)
+    assert heads % size == 0 and (kv_heads * repeat) % size == 0
+    assert (heads // kv_heads) % repeat == 0     # a repeat that keeps the grouping
+
+
+def test_a_users_head_split_that_cannot_be_made_is_an_error():
+    from AutoXLA.sharding.attention_heads import kernel_heads
+    from AutoXLA.sharding.mesh import MeshShape
+
+    with pytest.raises(ValueError, match=r"splits the attention heads over model=8, but the "
+                                         r"model's 28 query heads do not divide it.*Leave "
+                                         r"qkv_partition_spec out"):
+        kernel_heads("splash_attention", 28, 4, MeshShape(1, 1, 8),
+                     (("data", "fsdp"), "model", None, None))
+    # Heads None in the user's spec: whole, which needs no reason; kv heads of a split the user
+    # asked for are repeated as for the default.
+    whole = kernel_heads("splash_attention", 6, 3, MeshShape(1, 4, 2),
+                         (("data", "fsdp"), None, None, None))
+    assert (whole.axes, whole.kv_repeat, whole.reason) == ((), 1, "")
+    assert kernel_heads("splash_attention", 6, 3, MeshShape(1, 4, 2),
+                        ("fsdp", "model", None, None)).kv_repeat == 2
+
+
+def test_splash_repeats_kv_heads_so_that_each_shard_reads_its_own_groups():
+    # 12 query / 3 kv heads on model=2: each kv head 2x (transformers' repeat_kv order), so each
+    # model shard's 6 query heads read its 3 repeated heads in groups of 2, and query head h
+    # reads a copy of kv head h // 4 as in transformers.
+    from AutoXLA.sharding.attention_heads import kernel_heads
+    from AutoXLA.sharding.mesh import MeshShape
+
+    q, k, v = _qkv(hq=12, hkv=3)
+    mesh = FakeMesh((1, 4, 2))
+    heads = kernel_heads("splash_attention", 12, 3, MeshShape(1, 4, 2))
+    a = tpu.splash_arguments(q, k, v, scale=1.0, window=None, softcap=None, segment_ids=None,
+                             mesh=mesh, cfg=AttentionConfig(), heads=heads)
+    assert json.loads(a["config"])["qkv_partition_spec"] == [["data", "fsdp"], "model", None, None]
+    kr, vr = a["k"][:2, :, :16], a["v"][:2, :, :16]
+    assert kr.shape[1] == 6
+    for shard in range(2):
+        local_k, local_v = kr[:, 3 * shard:3 * shard + 3], vr[:, 3 * shard:3 * shard + 3]
+        for j in range(6):                       # local query head j, global 6 * shard + j
+            h = 6 * shard + j
+            assert torch.equal(local_k[:, j // 2], k[:, h // 4]), (shard, j)
+            assert torch.equal(local_v[:, j // 2], v[:, h // 4]), (shard, j)
+
+
+def test_a_call_that_does_not_match_the_planned_heads_is_an_error():
+    from AutoXLA.sharding.attention_heads import kernel_heads
+    from AutoXLA.sharding.mesh import MeshShape
+
+    q, k, v = _qkv()
+    heads = kernel_heads("splash_attention", 6, 3, MeshShape(1, 4, 2))
+    with pytest.raises(ValueError, match=r"planned for 6 query / 3 kv heads.*called them with "
+                                         r"8 / 2"):
+        tpu.splash_arguments(q, k, v, scale=1.0, window=None, softcap=None, segment_ids=None,
+                             mesh=FakeMesh((1, 4, 2)), cfg=AttentionConfig(), heads=heads)
 
 
 def test_user_partition_spec_wins():

@@ -154,11 +154,54 @@ def test_plan_gives_each_attention_module_its_kernel_and_scans_only_if_they_stil
                          attention_config={"layers": [7]})
 
 
+def test_plan_decides_how_the_kernels_split_grouped_query_heads():
+    # Issue 43: the kernels cut q, k and v by whole heads over the model axis, so the plan
+    # decides per mesh (sharding/attention_heads.py) and says why; the kernel applies it. Real
+    # head counts, every other size shrunk: Qwen2.5-7B (28 / 4) and Llama-3-70B (64 / 8).
+    import transformers
+
+    from AutoXLA.sharding.attention_heads import KernelHeads
+
+    small = dict(hidden_size=56, intermediate_size=32, num_hidden_layers=2, vocab_size=128)
+    qwen = transformers.Qwen2Config(num_attention_heads=28, num_key_value_heads=4, **small)
+    plan = plan_from_config(qwen, "mp", 8, attn_implementation="splash_attention")
+    heads = plan.layer_attention.heads
+    assert (heads.heads, heads.kv_heads, heads.axes, heads.kv_repeat) == (28, 4, (), 1)
+    assert ("attention heads in the kernels: 28 query / 4 kv heads kept whole (28 query heads "
+            "do not divide model=8: every device along it attends with all heads of its rows)"
+            ) in str(plan)
+    # q_proj is replicated on model for the same reason: the heads the kernel keeps whole.
+    assert "28 heads do not divide model=8" in plan["model.layers.0.self_attn.q_proj.weight"].reason
+    assert json.loads(plan.to_json())["layer_attention"]["heads"] == {
+        "heads": 28, "kv_heads": 4, "axes": [], "kv_repeat": 1, "reason": heads.reason}
+
+    llama = transformers.LlamaConfig(num_attention_heads=64, num_key_value_heads=8,
+                                     **dict(small, hidden_size=128))
+    plan = plan_from_config(llama, "mp", 16, attn_implementation="splash_attention")
+    assert plan.layer_attention.heads == KernelHeads(64, 8, ("model",), 2,
+                                                     plan.layer_attention.heads.reason)
+    assert "64 query / 8 kv heads split over model=16, each kv head repeated 2x (to 16)" in str(plan)
+    # The k/v projections are replicated on model: the repeat and the cut are local.
+    assert plan["model.layers.0.self_attn.k_proj.weight"].spec == (None, None)
+    flash = plan_from_config(llama, "mp", 16, attn_implementation="xla_flash_attention")
+    assert flash.layer_attention.heads.kv_repeat == 8     # flash has no grouped-query attention
+    with pytest.raises(ValueError, match="28 query heads do not divide it"):
+        plan_from_config(qwen, "mp", 8, attn_implementation="splash_attention",
+                         attention_config={"qkv_partition_spec": (("data", "fsdp"), "model",
+                                                                  None, None)})
+
+
 def test_cli_plan_shows_the_attention_of_each_layer(capsys, checkpoints):
     assert main(["plan", str(checkpoints["llama"]), "--attention", "xla_flash_attention",
                  "--attention-layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "xla_flash_attention in 1 of 2 attention modules" in out
+    # The project's 6 / 3-head Gemma 2 under 2d: kv heads repeated for the model axis.
+    assert main(["plan", str(checkpoints["gemma2"]), "--strategy", "2d", "--attention",
+                 "splash_attention"]) == 0
+    assert ("attention heads in the kernels: 6 query / 3 kv heads split over model=2, each kv "
+            "head repeated 2x (to 6) (3 kv heads do not divide model=2; 6 do, and each device "
+            "gets the kv heads its 3 query heads read)") in capsys.readouterr().out
     assert main(["plan", str(checkpoints["llama"]), "--attention", "flash"]) == 2
     assert "--attention 'flash' is not one of eager, xla_flash_attention" in capsys.readouterr().err
     assert main(["plan", str(checkpoints["llama"]), "--attention-layers", "0"]) == 2

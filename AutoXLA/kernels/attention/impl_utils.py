@@ -95,7 +95,7 @@ class BaseAttentionPatcher:
                           f"{self.name} runs its portable path, never the TPU kernel; load it with "
                           "AutoXLAModelForCausalLM.from_pretrained to shard it and use the kernel",
                           stacklevel=3)
-        planned = plan_attention(inner, self.kernel, cfg)
+        planned = plan_attention(inner, self.kernel, cfg, mesh)
         apply_attention(inner, planned, cfg, mesh)
         _rescan(model, inner, planned)
         self.patched_layers = sorted({m.layer_idx for m in inner.modules()
