@@ -10,7 +10,10 @@ matrix, mask it, take one softmax. Semantics (those stated in AutoXLA/attention/
                    and (no segment ids or q_segment_ids[b, i] == kv_segment_ids[b, j])
                    and (mask is not bool or mask[b, h, i, j])
     out         = softmax over the allowed keys of each row, times v; a row with no allowed key is
-                  all zeros (and so has zero gradient)
+                  what transformers' eager attention gives it: its logits plus finfo(float32).min,
+                  which absorbs them (a uniform softmax: the mean of v over all Skv keys) while
+                  autograd still differentiates them. With a soft-cap such a row gives q and k no
+                  gradient (AutoXLA's documented difference: blockwise.no_key_rows)
     GQA         = query head h reads kv head h // (Hq // Hkv)
 
 Inputs may have any float dtype and may require grad; the result is float64 (differentiable).
@@ -35,6 +38,10 @@ def reference_attention(q, k, v, *, scale, causal=False, window=None, softcap=No
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, Sq, Skv]
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    # Eager's row with nothing allowed: every logit plus finfo.min, which absorbs them in value
+    # (float64's spacing there is ~4e22) but not in autograd.
+    unmasked = scores if softcap is None else scores.detach()
+    nothing_allowed = unmasked + torch.finfo(torch.float32).min
 
     i = torch.arange(sq).view(sq, 1) + q_offset  # absolute query positions
     j = torch.arange(skv).view(1, skv)
@@ -58,9 +65,7 @@ def reference_attention(q, k, v, *, scale, causal=False, window=None, softcap=No
 
     any_allowed = allowed.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    # A row with nothing allowed would be softmax(all -inf) = NaN (and NaN gradients): give it
-    # zeros as logits instead, then zero its probabilities.
-    scores = torch.where(any_allowed, scores, torch.zeros_like(scores))
+    # A row with nothing allowed would be softmax(all -inf) = NaN (and NaN gradients): eager's.
+    scores = torch.where(any_allowed, scores, nothing_allowed)
     probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(any_allowed, probs, torch.zeros_like(probs))
     return torch.matmul(probs, v)

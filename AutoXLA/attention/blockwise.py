@@ -11,7 +11,11 @@ kernels cannot (anything but a TPU), with the kernels' semantics:
 
 with logits ``softcap * tanh(scale * q.k / softcap)`` when a soft-cap is set. ``window`` counts the
 query's own position (window=1 sees only itself), as transformers' sliding windows do. A query row
-with no allowed key returns zeros.
+with no allowed key returns the mean of v over all ``Skv`` keys, as transformers' eager attention
+does (its masked logits are all ``finfo.min``, which absorbs the scores, so its softmax is
+uniform): a left-padded row's pads have no allowed key, and the last pad's output is in a
+language model's loss (it predicts the first real token). Its gradient is eager's too, and finite
+(``no_key_rows``).
 
 Grouped-query attention is computed without repeating k and v: the query heads of a group are
 stacked as extra rows against their one kv head. Block shapes are static (the sequence is padded
@@ -118,16 +122,18 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
             mask = mask.unsqueeze(2)       # [B|1, 1, 1, Sq, Skv]
     rows_all = torch.arange(plan.q_blocks * bq, device=q.device) + q_offset
     cols_all = torch.arange(plan.kv_blocks * bk, device=q.device)
+    # What a row with no allowed key returns: eager's (no_key_rows), over the real keys only.
+    no_key = _NoKeyRows(q, k, kf[:, :, :skv], vf[:, :, :skv], scale, softcap)
 
     outputs = []
     for i, (lo, hi) in enumerate(plan.visits):
         r0, r1 = i * bq, (i + 1) * bq
         qb = qf[:, :, :, r0:r1].reshape(b, hkv, g * bq, d)
         if lo == hi:
-            # Every key is masked for this block: zeros, kept attached to q, k and v so that
-            # autograd gives them zero gradients instead of refusing an unused input.
-            attached = (kf[:, :, :1].sum() + vf[:, :, :1].sum()) * 0.0
-            outputs.append(qf[:, :, :, r0:r1] * 0.0 + attached)
+            # Every key is masked for this block: eager's rows, kept attached to q, k and v so
+            # that autograd never refuses an unused input.
+            attached = qb * 0.0 + kf[:, :, :1].sum() * 0.0
+            outputs.append((attached + no_key(qb)).reshape(b, hkv, g, bq, d))
             continue
         m = qb.new_full((b, hkv, g * bq), _MASKED)
         l = qb.new_zeros((b, hkv, g * bq))
@@ -156,7 +162,7 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row with nothing allowed so far has m_new == _MASKED and p == 1 on masked keys:
             # the first allowed key rescales that away (alpha = 0), and rows that never see one
-            # are zeroed below, which is cheaper than masking p in every partial block.
+            # take eager's value below, which is cheaper than masking p in every partial block.
             p = torch.exp(s - m_new.unsqueeze(-1))
             alpha = torch.exp(m - m_new)
             l = l * alpha + p.sum(dim=-1)
@@ -165,10 +171,50 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
         # l is 0 where every logit was -inf (a float mask): divide by 1 there, or the division's
         # gradient is 0 * inf = NaN even though where() discards the row.
         safe_l = torch.where(l == 0, 1.0, l).unsqueeze(-1)
-        out = torch.where((m > _MASKED).unsqueeze(-1), acc / safe_l, 0.0)
+        out = torch.where((m > _MASKED).unsqueeze(-1), acc / safe_l, no_key(qb))
         outputs.append(out.reshape(b, hkv, g, bq, d))
     out = torch.cat(outputs, dim=3)[:, :, :, :sq]
     return out.reshape(b, hq, sq, d).to(q.dtype)
+
+
+def no_key_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+    """[B, Hq, Sq, D] float32: what transformers' eager attention gives every query row of q when
+    the row has no allowed key among k, v [B, Hkv, Skv, D] (for the TPU kernels' wrapper, which
+    puts it in the rows the kernel cannot express: attention/hf.py).
+
+    Eager adds finfo.min to every masked logit. When all of a row's are masked, finfo.min absorbs
+    the scores (|s| is far below its spacing, ~2e31), so the softmax is uniform and the row is v's
+    mean over all Skv keys. Autograd still differentiates the scores under the constant, so the
+    row's gradient is a softmax's at uniform weights: d out_i / d s_ij = (v_j - mean v) / Skv.
+    Here that gradient comes from ``x - x.detach()`` (zero in value) with
+    ``x = scale * q_i . sum_j k_j (v_j - mean v) / Skv``: one [D, D] matrix per kv head, not the
+    row's Skv scores. With a logit soft-cap eager's gradient also has each pair's tanh
+    derivative, which needs every score; those rows then give q and k no gradient."""
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    rows = _NoKeyRows(q, k, k.float(), v.float(), scale, softcap)
+    out = rows(q.float().reshape(b, hkv, (hq // hkv) * sq, d))
+    return out.expand(b, hkv, (hq // hkv) * sq, d).reshape(b, hq, sq, d)
+
+
+class _NoKeyRows:
+    """no_key_rows for rows [B, Hkv, R, D] of the query heads a kv head serves (R = G x rows)."""
+
+    def __init__(self, q, k, kf, vf, scale, softcap):
+        self.mean = vf.mean(dim=2, keepdim=True)                           # [B, Hkv, 1, D]
+        self.scale, self.cross = scale, None
+        wants_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        if wants_grad and softcap is None:
+            # sum_j k_j (v_j - mean v)^T / Skv: [B, Hkv, D, D]; v's part detached (in eager it
+            # is the softmax's gradient that reaches v, which the mean already gives).
+            self.cross = kf.transpose(-1, -2) @ (vf - self.mean).detach() / kf.shape[2]
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.cross is None:
+            return self.mean
+        x = (rows @ self.cross) * self.scale
+        return self.mean + (x - x.detach())
 
 
 def _structural(row_ids, col_ids, causal, window, kv_len, *, rows, cols):

@@ -23,7 +23,7 @@ import torch
 from .. import backend
 from ..sharding.attention_heads import KernelHeads
 from . import tpu
-from .blockwise import blockwise_attention
+from .blockwise import blockwise_attention, no_key_rows
 from .config import KERNELS, TRANSFORMERS_NAMES, AttentionConfig
 
 logger = logging.getLogger("AutoXLA")
@@ -161,6 +161,9 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
     if structured and backend.runs_pallas() and layer.mesh is not None:
         out = _on_tpu(layer, query, key, value, scale, window, softcap, segments)
         if out is not None:
+            if segments is not None:
+                out = _rows_without_keys_as_eager(out, query, key, value, scale, softcap,
+                                                  segments, window)
             return out.transpose(1, 2).contiguous(), None
     cfg = layer.config
     block_q, block_kv = cfg.sa_block_q, cfg.sa_block_kv
@@ -169,9 +172,12 @@ def attend(kernel, module, query, key, value, attention_mask, *, dropout=0.0, sc
         # time grows much faster than the tile count). With one query block, as when decoding
         # over a static cache, the scores of all keys are one block's rows: take them at once.
         block_kv = skv
+    # Padding as transformers masks it: a padded key is masked for every query, and a padded
+    # query attends to the real keys before it (its own segment would be the other pads).
+    q_segments = None if segments is None else torch.ones_like(segments)
     out = blockwise_attention(
         query, key, value, scale=scale, causal=causal and (structured or dense is None),
-        window=window, softcap=softcap, q_segment_ids=segments, kv_segment_ids=segments,
+        window=window, softcap=softcap, q_segment_ids=q_segments, kv_segment_ids=segments,
         mask=dense, q_offset=skv - sq if dense is None else 0,
         block_q=block_q, block_kv=block_kv)
     return out.transpose(1, 2).contiguous(), None
@@ -188,6 +194,28 @@ def _narrow_to_window(mask: torch.Tensor, window: int) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return narrowed
     return mask.masked_fill(~narrowed, torch.finfo(mask.dtype).min)
+
+
+def _rows_without_keys_as_eager(out, query, key, value, scale, softcap, segments, window):
+    """A Pallas kernel's output [B, Hq, S, D] with the rows transformers' mask leaves without any
+    key given eager attention's value there, v's mean over all S keys, and its gradient
+    (blockwise.no_key_rows).
+
+    Both kernels take padding as segment ids, a query seeing the keys of its own segment, so a
+    padded query attends to the pads before it; transformers masks padded keys for every query.
+    The rows where that decides a loss are those with no real key in their causal window (a
+    left-padded row's pads, the last of which predicts the first real token): corrected here.
+    A pad after a real token (right padding) still attends to the pads before it, not to the real
+    tokens as in eager; its output only reaches its own position's logits, whose next label is a
+    pad (docs/attention.md). The kernel's rows replaced here attend to pads, so they stay
+    finite and add no NaN to the backward."""
+    real = segments.to(torch.int32).cumsum(dim=1)                     # real keys at or before i
+    if window is not None and window < real.shape[1]:
+        before = torch.nn.functional.pad(real, (window, 0))[:, :real.shape[1]]
+        real = real - before                                         # ... in (i - window, i]
+    empty = (real == 0)[:, None, :, None]                            # [B, 1, S, 1]
+    eager = no_key_rows(query, key, value, scale=scale, softcap=softcap).to(out.dtype)
+    return torch.where(empty, eager, out)
 
 
 def _on_tpu(layer, query, key, value, scale, window, softcap, segments):

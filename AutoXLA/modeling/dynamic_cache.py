@@ -4,47 +4,97 @@ A plain ``model(ids)`` builds a ``DynamicCache`` (``use_cache`` defaults to True
 layers keep the last ``window - 1`` tokens with ``full[:, :, -window + 1:, :]``: plain torch clamps
 a start before the beginning, torch_xla raises ("Value out of range ... got -4095") whenever the
 sequence is shorter than the window, which with Mistral's 4096 or Gemma's windows is the usual
-case. The forward pre-hook installed here gives every sliding layer of the call's cache (the one
-transformers would build, or one the caller passes) a subclass whose slices are clamped; nothing
-else of the cache changes. AutoXLA's own ``generate`` uses its static cache and is not affected.
+case. The hooks installed here make every sliding layer of the call's caches one whose slices are
+clamped (``ClampedSlidingWindowLayer``; nothing else of the cache changes):
+
+- a cache the caller passes (``cache=``/``past_key_values=``) has its sliding layers converted;
+- a cache the model's own code builds, wherever it builds it, gets clamped layers from the start:
+  while an AutoXLA model's forward runs, transformers' table of dynamic layer classes
+  (``cache_utils.DYNAMIC_LAYER_TYPE_MAPPING``, which ``DynamicCache(config=...)`` reads to make
+  each layer) names the clamped class for sliding and chunked layers.
+
+The second point is why the table and not the config: the first version of this hook built the
+cache itself, from the top model's ``config.sliding_window`` and ``config.use_cache``. An
+image-text-to-text model's top config (``Mistral3Config``, ``Gemma3Config``) has neither: they
+live in its ``text_config``, so the hook did nothing and the language model inside built its
+own cache with transformers' layers (issue 43). The table is where every ``DynamicCache`` built
+from a config gets its layers, whichever model class builds it. AutoXLA's own ``generate`` uses
+its static cache and is not affected.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
+from transformers import cache_utils
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 
 _CACHE_KEYS = ("cache", "past_key_values")   # transformers 5.24's name, and its deprecated one
+_DEPTH = "_autoxla_dynamic_cache_depth"
 
 
 def install(model: nn.Module) -> None:
     """Make ``model``'s plain forward calls use XLA-safe sliding cache layers."""
     if getattr(model, "_autoxla_dynamic_cache_hook", None) is None:
-        model._autoxla_dynamic_cache_hook = model.register_forward_pre_hook(
-            _safe_cache, with_kwargs=True)
+        model._autoxla_dynamic_cache_hook = (
+            model.register_forward_pre_hook(_enter, with_kwargs=True),
+            # always_call: the table is restored even when the forward raises.
+            model.register_forward_hook(_exit, with_kwargs=True, always_call=True))
 
 
-def _safe_cache(module: nn.Module, args, kwargs):
+def _enter(module: nn.Module, args, kwargs):
+    _clamped_layers.enter()
+    module.__dict__[_DEPTH] = module.__dict__.get(_DEPTH, 0) + 1
     key = next((k for k in _CACHE_KEYS if kwargs.get(k) is not None), None)
     if key is None:
-        use_cache = kwargs.get("use_cache")
-        config = getattr(module, "config", None)
-        if use_cache is None and module.training and torch.is_grad_enabled():
+        if kwargs.get("use_cache") is None and module.training and torch.is_grad_enabled():
             # A training step needs no cache (and gradient checkpointing would replay its
             # writes): ask for none, as transformers does under gradient checkpointing.
             return args, {**kwargs, "use_cache": False}
-        if use_cache is None:
-            use_cache = getattr(config, "use_cache", False)
-        if not use_cache or config is None or getattr(config, "sliding_window", None) is None:
-            return None
-        cache = DynamicCache(config=config.get_text_config(decoder=True))
-        kwargs = {**kwargs, "cache": cache}
-    else:
-        cache = kwargs[key]
+        return None
+    cache = kwargs[key]
     if isinstance(cache, DynamicCache):
         for layer in cache.layers:
             _make_safe(layer)
-    return args, kwargs
+    return None
+
+
+def _exit(module: nn.Module, args, kwargs, output):
+    # Only a call whose _enter ran leaves (a pre-hook that raised never entered).
+    if module.__dict__.get(_DEPTH, 0) > 0:
+        module.__dict__[_DEPTH] -= 1
+        _clamped_layers.exit()
+
+
+class _ClampedLayerTable:
+    """While at least one AutoXLA forward runs (in any thread), transformers' dynamic layer table
+    gives ClampedSlidingWindowLayer where it gives DynamicSlidingWindowLayer. Counted, so that
+    nested and concurrent forwards restore the table once, when the last one ends; outside them
+    transformers (the tests' CPU reference included) is untouched."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: dict[str, type] = {}
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._depth == 0:
+                table = cache_utils.DYNAMIC_LAYER_TYPE_MAPPING
+                self._saved = {k: v for k, v in table.items() if v is DynamicSlidingWindowLayer}
+                table.update((k, ClampedSlidingWindowLayer) for k in self._saved)
+            self._depth += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                cache_utils.DYNAMIC_LAYER_TYPE_MAPPING.update(self._saved)
+                self._saved = {}
+
+
+_clamped_layers = _ClampedLayerTable()
 
 
 def _make_safe(layer) -> None:

@@ -109,6 +109,16 @@ IMAGE_TEXT_FAMILIES = {
                            num_hidden_layers=2, num_attention_heads=4, head_dim=8,
                            image_size=IMAGE_SIZE, patch_size=PATCH_SIZE),
         image_token_index=10, spatial_merge_size=2)),
+    # Mistral 3 with a Mistral text model: MistralConfig's own 4096-token sliding window (left at
+    # its default on purpose: a window shorter than the test sequences hid a bug, issue 43), 8
+    # heads / 2 kv heads, and the same Pixtral tower.
+    "mistral3_mistral": ("Mistral3Config", dict(
+        text_config=dict(**_TEXT, model_type="mistral", num_attention_heads=8,
+                         num_key_value_heads=2),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                           image_size=IMAGE_SIZE, patch_size=PATCH_SIZE),
+        image_token_index=10, spatial_merge_size=2)),
     # LLaVA: a Llama text model (8 heads, 2 kv heads) and a CLIP vision tower; every patch is an
     # image token (the class token is dropped), 16 per image.
     "llava": ("LlavaConfig", dict(
@@ -117,6 +127,17 @@ IMAGE_TEXT_FAMILIES = {
                            num_hidden_layers=2, num_attention_heads=4, projection_dim=32,
                            image_size=IMAGE_SIZE, patch_size=PATCH_SIZE),
         image_token_index=10, tie_word_embeddings=False)),
+    # Gemma 3: Gemma3TextConfig's own 4096-token sliding window on both layers (2 layers: the
+    # global layer of its 5 + 1 pattern is the architecture matrix's), a SigLIP tower whose 16
+    # patches are pooled into 4 image tokens, and the image/begin/end tokens moved into the
+    # shrunk vocabulary.
+    "gemma3": ("Gemma3Config", dict(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE),
+        mm_tokens_per_image=4, image_token_index=10, boi_token_index=11, eoi_token_index=12)),
 }
 
 
@@ -126,7 +147,10 @@ def tiny_image_text_config(family: str, **overrides):
 
 def image_tokens_per_image(config) -> int:
     """How many image tokens one IMAGE_SIZE image becomes in ``config``'s model (Mistral 3 merges
-    patches spatial_merge_size x spatial_merge_size; LLaVA keeps one per patch)."""
+    patches spatial_merge_size x spatial_merge_size; LLaVA keeps one per patch; Gemma 3 pools
+    them into mm_tokens_per_image)."""
+    if getattr(config, "mm_tokens_per_image", None):
+        return config.mm_tokens_per_image
     vision = config.vision_config
     side = vision.image_size // vision.patch_size // getattr(config, "spatial_merge_size", 1)
     return side * side

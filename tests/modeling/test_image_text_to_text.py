@@ -9,6 +9,8 @@ import warnings
 
 import pytest
 import torch
+from transformers import cache_utils
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
@@ -61,8 +63,10 @@ def image_batch(family):
     size = config.vision_config.image_size
     pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(3))
     inputs = dict(input_ids=ids, attention_mask=(ids != 0).long(), pixel_values=pixels)
-    if family == "mistral3":                 # Pixtral takes each image's size
+    if family.startswith("mistral3"):        # Pixtral takes each image's size
         inputs["image_sizes"] = torch.tensor([[size, size]] * 2)
+    if family == "gemma3":                   # its image tokens attend to each other both ways
+        inputs["token_type_ids"] = (ids == img).long()
     return inputs
 
 
@@ -183,6 +187,9 @@ def test_image_tokens_that_do_not_match_the_image_are_an_error(mistral3_2d_splas
     inputs["input_ids"][:, 3] = 10                   # one image token per row, 4 features each
     with pytest.raises(ValueError, match="Image features and image tokens do not match"):
         _logits(mistral3_2d_splash, inputs)
+    # The forward raised: transformers' table of cache layers is its own again all the same
+    # (AutoXLA gives it clamped sliding layers only while its models run: dynamic_cache.py).
+    assert cache_utils.DYNAMIC_LAYER_TYPE_MAPPING["sliding_attention"] is DynamicSlidingWindowLayer
 
 
 def test_kernel_patches_the_language_model_only(mistral3_2d_splash):
@@ -215,6 +222,64 @@ def test_text_generation_equals_transformers(mistral3_2d_splash, references):
     with pytest.raises(ValueError, match="text-only"):
         mistral3_2d_splash.generate(input_ids=ids.to(dev), pixel_values=torch.zeros(2, 3, 32, 32),
                                     max_new_tokens=4, **GREEDY)
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_mistral3_with_mistrals_own_4096_window(scan, image_text_checkpoints, references, batch,
+                                                xla_devices):
+    # Issue 43: Mistral3Config with a `mistral` text config keeps MistralConfig's 4096-token
+    # window. A plain forward raised "Value out of range ... got -4095": the dynamic cache's
+    # sliding layers slice full[:, :, -4095:] of 12 positions, which torch_xla refuses. The fix of
+    # the causal-LM path read the window off the top config, which an image-text config lacks
+    # (it is in text_config), and the language model built its own cache unfixed.
+    family = "mistral3_mistral"
+    model = _load(image_text_checkpoints, family, sharding_strategy="fsdp", scan_layers=scan)
+    reference = references(family)
+    assert model.config.text_config.sliding_window == 4096
+    ids, mask = batch                                       # 12 text tokens, one row left-padded
+    valid = mask.bool()
+    got = _logits(model, dict(input_ids=ids, attention_mask=mask))
+    layers = model.model.language_model.layers
+    assert (layers.last_mode == "scanned") if scan else isinstance(layers, torch.nn.ModuleList)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+    assert_close(got[valid], expected[valid], ATOL, RTOL, what=f"{family} text logits")
+    assert cache_utils.DYNAMIC_LAYER_TYPE_MAPPING["sliding_attention"] is DynamicSlidingWindowLayer
+    inputs = image_batch(family)
+    valid = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        expected = reference(**inputs).logits
+    assert_close(_logits(model, inputs)[valid], expected[valid], ATOL, RTOL,
+                 what=f"{family} image logits")
+    if scan:    # generation (AutoXLA's static cache, full-length layers for the window)
+        dev = backend.device()
+        got = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                             max_new_tokens=8, **GREEDY).cpu()
+        expected = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                      **GREEDY)
+        assert torch.equal(got, expected), (got.tolist(), expected.tolist())
+
+
+def test_gemma3_with_its_own_4096_window(image_text_checkpoints, references, batch, xla_devices):
+    # The same failure in another image-text model with sliding layers (Gemma3TextConfig's 4096):
+    # the fix is where any DynamicCache gets its layers, not per model class.
+    model = _load(image_text_checkpoints, "gemma3", sharding_strategy="fsdp")
+    reference = references("gemma3")
+    ids, mask = batch
+    valid = mask.bool()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+    got = _logits(model, dict(input_ids=ids, attention_mask=mask))
+    assert_close(got[valid], expected[valid], ATOL, RTOL, what="gemma3 text logits")
+    inputs = image_batch("gemma3")
+    valid = inputs["attention_mask"].bool()
+    with torch.no_grad():
+        expected = reference(**inputs).logits
+        text_only = reference(input_ids=inputs["input_ids"],
+                              attention_mask=inputs["attention_mask"]).logits
+    assert_close(_logits(model, inputs)[valid], expected[valid], ATOL, RTOL,
+                 what="gemma3 image logits")
+    assert (expected[valid] - text_only[valid]).abs().max() > 0.1     # the image mattered
 
 
 def test_llava_loads_and_equals_transformers(image_text_checkpoints, references, xla_devices):

@@ -6,6 +6,8 @@ import torch
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 
+from ..helpers import assert_close
+
 # Loss is a mean of log-softmax terms in fp32; the same reordering argument as for logits
 # (tests/helpers.py) gives errors ~1e-6 on a loss of ~5; 1e-4 leaves margin.
 LOSS_TOL = 1e-4
@@ -89,3 +91,38 @@ def test_scanned_stack_is_one_fsdp_unit(checkpoints, xla_devices):
     assert not any(hasattr(l, "_xla_checkpointed_forward_original") for l in stack.module.shells)
     _train(model, steps=1)
     assert stack.module.last_mode == "scanned"
+
+
+def test_left_padded_loss_equals_transformers_under_splash(checkpoints, reference_models,
+                                                           xla_devices):
+    # Issue 43: a left-padded row's last pad position predicts its first real token, so its
+    # output is in the loss even with the pads' labels masked. transformers' eager mask leaves
+    # a pad query no allowed key, and its softmax over equal finfo.min logits averages V over
+    # every key (and still sends q and k a gradient); the kernels' path let the pads attend to
+    # each other (segment ids), and gave a row with no key zeros (here 6.5208 against 6.5884).
+    # 2d with splash: off a TPU the portable blockwise path, 4-token blocks so that the
+    # 3 pads and the real tokens fall in different blocks.
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+                        [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    mask = (ids != 0).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    reference = reference_models("llama")
+    reference.zero_grad(set_to_none=True)
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    expected.backward()
+    want_grad = reference.model.layers[0].self_attn.q_proj.weight.grad
+    reference.zero_grad(set_to_none=True)     # the session's reference model, for later tests
+    model = _load(checkpoints, "2d", gc=False, attn_implementation="splash_attention",
+                  attention_config={"sa_block_q": 4, "sa_block_kv": 4})
+    dev = backend.device()
+    loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
+    loss.backward()
+    stack = model.module.model.layers.module
+    got_grad = stack.stacked.self_attn.q_proj.weight.grad[0].cpu()
+    assert abs(loss.item() - expected.item()) <= LOSS_TOL, (loss.item(), expected.item())
+    # Gradients: finite (the pad rows' average must not bring NaN into the backward) and equal
+    # transformers' to the bound of tests/attention/test_models.py (2e-5 of the largest entry:
+    # fp32 sums reordered by the online softmax and the shards).
+    assert torch.isfinite(got_grad).all()
+    assert_close(got_grad, want_grad, 2e-5 * want_grad.abs().max().item(), 1e-4,
+                 "d loss / d layer 0 q_proj")
