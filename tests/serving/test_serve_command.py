@@ -1,7 +1,13 @@
-"""`autoxla serve` as a user starts it: a process of its own that loads, compiles with its
-progress bar, answers the openai client, and stops cleanly on Ctrl-C (SIGINT) or SIGTERM."""
+"""`autoxla serve` as a user starts it: one process of its own for the module (it loads, compiles
+with its progress bar, answers the openai client and raw HTTP on loopback), then what a client
+can do to a server, and last a Ctrl-C (it stops the process). Every request is bounded (its own
+timeout); most of the module's time is the process's start."""
+import concurrent.futures
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,40 +17,135 @@ import pytest
 
 from .test_server import free_port
 
+MAX_QUEUE = 8
+MAX_TOKENS = 128
+SERVE_ARGS = ["--devices", "8", "--max-batch", "4", "--max-prompt-tokens", "32",
+              "--max-tokens", str(MAX_TOKENS), "--max-queue", str(MAX_QUEUE),
+              "--model-name", "tiny"]
 
-@pytest.mark.parametrize("stop_with", [signal.SIGINT])
-def test_serve_command_answers_and_stops_cleanly(chat_checkpoint, stop_with):
-    from openai import OpenAI
 
+class Command:
+    def __init__(self, proc, port, log_path):
+        self.proc, self.port, self.log_path = proc, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def command(chat_checkpoint, tmp_path_factory):
     path, tokenizer = chat_checkpoint
     port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "out.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "AutoXLA.cli", "serve", str(path), "--port", str(port),
-         "--devices", "8", "--max-batch", "4", "--max-prompt-tokens", "32", "--max-tokens", "16",
-         "--model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "AutoXLA.cli", "serve", str(path),
+                                 "--port", str(port), *SERVE_ARGS],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    served = Command(proc, port, log_path)
     try:
         deadline = time.monotonic() + 300
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, served.log()
             assert time.monotonic() < deadline, "the server did not come up in 5 minutes"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                if httpx.get(served.url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.5)
-        api = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        answer = api.chat.completions.create(model="tiny", max_tokens=8, temperature=0,
-                                             messages=[{"role": "user", "content": "Hi!"}])
-        assert answer.choices[0].finish_reason in ("stop", "length")
-        assert answer.usage.completion_tokens >= 1
-        proc.send_signal(stop_with)
-        out, _ = proc.communicate(timeout=120)
+        yield served
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, out
-    assert "programs compiled; serving tiny on http://127.0.0.1" in out, out
+            proc.wait()
+
+
+def post(command, body, path="/v1/completions", timeout=60):
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(command.url + path, content=content, timeout=timeout,
+                      headers={"content-type": "application/json"})
+
+
+def connect(command, timeout=10.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", command.port), timeout=timeout)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def head(length=None, chunked=False, path="/v1/completions") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    lines.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def read_response(s: socket.socket) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 response with a Content-Length body, from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"the connection closed before a response: {data!r}"
+        data += chunk
+    top, body = data.split(b"\r\n\r\n", 1)
+    lines = top.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers.get("content-length", 0)):
+        chunk = s.recv(65536)
+        assert chunk, "the connection closed inside the body"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def closed_by_server(s: socket.socket, within: float) -> bool:
+    """Whether the server closes ``s`` within ``within`` seconds (anything it sends is read)."""
+    s.settimeout(within)
+    try:
+        while s.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def metric(command, name: str) -> float:
+    text = httpx.get(command.url + "/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def health(command) -> dict:
+    return httpx.get(command.url + "/health", timeout=10).json()
+
+
+def wait_until(condition, seconds: float, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(step)
+    return condition()
+
+
+def test_serve_command_answers_the_openai_client(command):
+    from openai import OpenAI
+
+    with OpenAI(base_url=command.url + "/v1", api_key="unused", max_retries=0) as api:
+        answer = api.chat.completions.create(model="tiny", max_tokens=8, temperature=0,
+                                             messages=[{"role": "user", "content": "Hi!"}])
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage.completion_tokens >= 1
+    assert "programs compiled; serving tiny on http://127.0.0.1" in command.log()
+
+
+def test_sigint_stops_the_server_cleanly(command):
+    """Last (it stops the process): Ctrl-C ends it with status 0 and no traceback."""
+    command.proc.send_signal(signal.SIGINT)
+    try:
+        command.proc.wait(timeout=120)
+    finally:
+        out = command.log()
+    assert command.proc.returncode == 0, out
     assert "Traceback" not in out, out
