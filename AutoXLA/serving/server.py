@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import backend
+from ..generation.sampling import GREEDY_BELOW
 from ..saving import unwrap
 from .engine import Sampling, SlotEngine
 from .metrics import Metrics
@@ -270,7 +271,7 @@ class Server:
             raise BadRequest(f"min_tokens={body.min_tokens} is more than max_tokens={max_tokens}",
                              "min_tokens")
         temperature = 1.0 if body.temperature is None else body.temperature
-        greedy = temperature == 0.0
+        greedy = temperature < GREEDY_BELOW         # 0, and what float32 cannot divide by
         base_seed = body.seed if body.seed is not None else self._random.randrange(2**31)
         eos = () if body.ignore_eos else self.eos_ids
         stop_ids = tuple(dict.fromkeys((*eos, *body.stop_token_ids)))
@@ -278,8 +279,8 @@ class Server:
         for i, ids in enumerate(prompts):
             for j in range(body.n):
                 sampling = Sampling(
-                    greedy=greedy, temperature=temperature or 1.0, top_k=max(body.top_k, 0),
-                    top_p=1.0 if body.top_p is None else body.top_p,
+                    greedy=greedy, temperature=1.0 if greedy else temperature,
+                    top_k=max(body.top_k, 0), top_p=1.0 if body.top_p is None else body.top_p,
                     seed=(base_seed + j) % 2**32, min_tokens=body.min_tokens,
                     repetition_penalty=body.repetition_penalty,
                     presence_penalty=body.presence_penalty,

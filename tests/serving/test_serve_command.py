@@ -140,6 +140,24 @@ def test_serve_command_answers_the_openai_client(command):
     assert "programs compiled; serving tiny on http://127.0.0.1" in command.log()
 
 
+def test_tiny_temperatures_answer_as_greedy(command):
+    """Issue 43 item 9: 1e-38 (subnormal in float32) and 1e-46 (0 in float32) with a seed gave
+    token 1 every time; below 1e-5 a temperature is greedy: the tokens of temperature 0."""
+    def ask(temperature):
+        r = post(command, {"model": "tiny", "prompt": "Hello there, how", "max_tokens": 8,
+                           "temperature": temperature, "seed": 7, "logprobs": 1,
+                           "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+
+    greedy = ask(0)
+    for temperature in (1e-38, 1e-46, 1e-6, 1e-30):    # 1e-30 samples: another step program
+        text, tokens, logprobs = ask(temperature)
+        assert (text, tokens) == greedy[:2], temperature
+        assert logprobs == pytest.approx(greedy[2], abs=1e-4), temperature
+
+
 def test_sigint_stops_the_server_cleanly(command):
     """Last (it stops the process): Ctrl-C ends it with status 0 and no traceback."""
     command.proc.send_signal(signal.SIGINT)

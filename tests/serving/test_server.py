@@ -42,6 +42,10 @@ def served(chat_checkpoint, xla_devices):
     ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
     refs["sampled"] = new_ids(model.generate(input_ids=ids, max_new_tokens=16, do_sample=True,
                                              **SAMPLED), ids)
+    # the same program, at a temperature float32 cannot divide by (issue 43 item 9)
+    refs["tiny_temperature"] = new_ids(model.generate(
+        input_ids=ids, max_new_tokens=16, do_sample=True, **{**SAMPLED, "temperature": 1e-38}),
+        ids)
     server = Server(model, tokenizer, ServeConfig(slots=8, max_prompt_tokens=64, max_tokens=32,
                                                   max_queue=24, model_name="tiny"))
     server.warm_up(progress=False)
@@ -132,6 +136,14 @@ def test_seeded_sampling_equals_generate_and_repeats(served):
     assert two.choices[0].text == first.choices[0].text    # choice j draws with seed + j
     other = api.completions.create(**{**kwargs, "seed": 1235})
     assert two.choices[1].text == other.choices[0].text
+
+
+def test_generate_at_a_tiny_temperature_is_greedy(served):
+    """Issue 43 item 9, in model.generate: do_sample=True at temperature 1e-38 returned token 1
+    every time (logits / 1e-38 overflow float32); below 1e-5 it is greedy."""
+    refs = served[3]
+    greedy = refs[PROMPTS[0]]
+    assert refs["tiny_temperature"][:len(greedy)] == greedy
 
 
 def test_stop_strings_end_the_text_before_them(served):
