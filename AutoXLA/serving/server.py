@@ -87,9 +87,9 @@ class ServeConfig:
 
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 headers: dict | None = None):
+                 headers: dict | None = None, code: str | int | None = None):
         super().__init__(message)
-        self.param, self.status, self.headers = param, status, headers or {}
+        self.param, self.status, self.headers, self.code = param, status, headers or {}, code
 
 
 class Server:
@@ -158,7 +158,7 @@ class Server:
             try:
                 response = await handler(request)
             except BadRequest as e:
-                response = error(e.status, str(e), e.param, e.headers)
+                response = error(e.status, str(e), e.param, e.headers, e.code)
             except Exception as e:  # noqa: BLE001 - an answer, never a traceback
                 logger.exception("serving: %s failed", name)
                 response = error(500, f"internal error: {type(e).__name__}: {e}")
@@ -183,14 +183,14 @@ class Server:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def completions(self, request: Request) -> Response:
-        body = await parse(request, CompletionRequest)
+        body = await self._request(request, CompletionRequest)
         prompts = self._completion_prompts(body)
         return await self._answer(request, body, prompts, chat=False,
                                   max_tokens=body.max_tokens or self.config.default_max_tokens,
                                   logprobs=body.logprobs)
 
     async def chat(self, request: Request) -> Response:
-        body = await parse(request, ChatCompletionRequest)
+        body = await self._request(request, ChatCompletionRequest)
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model's tokenizer has no chat template: use /v1/completions",
                              "messages")
@@ -211,6 +211,15 @@ class Server:
                                   logprobs=(top or 0) if body.logprobs else None)
 
     # -- one request -------------------------------------------------------------------------
+    async def _request(self, request: Request, model):
+        """The request's body as ``model``; another model than this server's is a 404."""
+        body = await parse(request, model)
+        if body.model is not None and body.model != self.config.model_name:
+            raise BadRequest(f"the model `{body.model}` does not exist: this server serves "
+                             f"`{self.config.model_name}` (GET /v1/models)", "model", status=404,
+                             code="model_not_found")
+        return body
+
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt
         if isinstance(p, str):
@@ -444,32 +453,48 @@ class _Reply:
 
 
 async def parse(request: Request, model):
-    """The request's JSON body as ``model``, or a 400 naming what is wrong."""
+    """The request's JSON body as ``model`` (parsed and validated by pydantic in strict mode),
+    or a 400 naming the field and what is wrong with it."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not valid JSON: {e}")
-    if not isinstance(data, dict):
-        raise BadRequest("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
+        first = e.errors(include_url=False)[0]
         kind = first["type"]
-        message = ("unknown field" if kind == "extra_forbidden" else first["msg"])
+        if kind == "json_invalid":
+            why = first["ctx"]["error"] if "ctx" in first else first["msg"]
+            hint = (": a \\ud800-\\udfff escape must be half of a surrogate pair (text must be "
+                    "valid Unicode)" if "surrogate" in why or "hex escape" in why else "")
+            raise BadRequest(f"the body is not valid JSON: {why}{hint}")
+        if kind == "model_type" and not first["loc"]:
+            raise BadRequest("the body must be a JSON object")
+        field = ".".join(str(p) for p in first["loc"]) or None
+        if kind == "extra_forbidden":
+            message = "unknown field"
+        else:
+            message = first["msg"].replace("Input should be", "must be")
+            if "input" in first and kind != "missing":
+                message += f" (got {_brief(first['input'])})"
         raise BadRequest(f"{field}: {message}" if field else message, field)
 
 
-def error_body(message: str, param: str | None, status: int) -> dict:
-    kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable",
-            504: "timeout"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def _brief(value) -> str:
+    text = json.dumps(value) if not isinstance(value, (bytes, bytearray)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
-def error(status: int, message: str, param: str | None = None, headers: dict | None = None):
-    return JSONResponse(error_body(message, param, status), status_code=status, headers=headers)
+def error_body(message: str, param: str | None, status: int,
+               code: str | int | None = None) -> dict:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+            503: "unavailable", 504: "timeout"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": status if code is None else code}}
+
+
+def error(status: int, message: str, param: str | None = None, headers: dict | None = None,
+          code: str | int | None = None):
+    return JSONResponse(error_body(message, param, status, code), status_code=status,
+                        headers=headers)
 
 
 def eos_token_ids(hf) -> tuple[int, ...]:

@@ -140,6 +140,49 @@ def test_serve_command_answers_the_openai_client(command):
     assert "programs compiled; serving tiny on http://127.0.0.1" in command.log()
 
 
+@pytest.mark.parametrize("body,status,param,names", [
+    # issue 43 item 13: an unknown model is a 404 in OpenAI's shape
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    # strict types: no "5" -> 5, no true -> 1, no booleans as token ids
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens", "integer"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": True}, 400, "max_tokens", "integer"),
+    ({"model": "tiny", "prompt": [True, False]}, 400, "prompt", "token ids"),
+    ({"model": "tiny", "prompt": "hi", "stream": 1}, 400, "stream", "boolean"),
+    # bounded penalties, and NaN / Infinity named as what they are
+    ({"model": "tiny", "prompt": "hi", "repetition_penalty": 1e-300}, 400, "repetition_penalty",
+     "0.01"),
+    ({"model": "tiny", "prompt": "hi", "repetition_penalty": 1e6}, 400, "repetition_penalty",
+     "100"),
+    (b'{"model": "tiny", "prompt": "hi", "repetition_penalty": Infinity}', 400,
+     "repetition_penalty", "finite number"),
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature",
+     "finite number"),
+    ({"model": "tiny", "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "2"),
+])
+def test_strict_types_bounded_penalties_and_unknown_models(command, body, status, param, names):
+    r = post(command, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and names in json.dumps(error), error
+    if status == 404:
+        assert error["code"] == "model_not_found" and "tiny" in error["message"]
+    if b"NaN" in (body if isinstance(body, bytes) else b""):
+        assert "less than" not in error["message"], error
+
+
+@pytest.mark.parametrize("path,raw", [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a \\ud800 b", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", '
+                             b'"content": "\\udc00"}], "max_tokens": 2}'),
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(command, path, raw):
+    """Issue 43 item 7: a lone surrogate escape is not Unicode: a 400, and nothing in the log."""
+    r = post(command, raw, path=path)
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"]
+    assert "Traceback" not in command.log()
+
+
 def test_tiny_temperatures_answer_as_greedy(command):
     """Issue 43 item 9: 1e-38 (subnormal in float32) and 1e-46 (0 in float32) with a seed gave
     token 1 every time; below 1e-5 a temperature is greedy: the tokens of temperature 0."""
