@@ -21,7 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=256,
                    help="the most new tokens one request may ask (default 256)")
     p.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting for a slot before new ones get 429 (default 256)")
+                   help="sequences waiting for a slot before new requests get 429; a request "
+                        "of more sequences than this (prompts x n) is a 400 (default 256)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
     p.add_argument("--model-name", default=None,

@@ -45,7 +45,8 @@ class ServeConfig:
     max_prompt_tokens: the longest prompt (its bucket: prompts are padded to powers of two from
         16 up to it, one prefill program each).
     max_tokens: the most new tokens one sequence may ask.
-    max_queue: sequences waiting for a slot before new requests get 429.
+    max_queue: sequences waiting for a slot before new requests get 429; a request of more
+        sequences than this (prompts x n) could never be admitted and is a 400.
     request_timeout: seconds a request may take, queue wait included (then 504, slot freed).
     drain_seconds: on shutdown, how long running requests get to finish before they are cut.
     default_max_tokens: for a completion that names no max_tokens (OpenAI's default is 16).
@@ -184,6 +185,9 @@ class Server:
 
     async def completions(self, request: Request) -> Response:
         body = await self._request(request, CompletionRequest)
+        p = body.prompt
+        self._check_count(1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p),
+                          body.n)
         prompts = self._completion_prompts(body)
         return await self._answer(request, body, prompts, chat=False,
                                   max_tokens=body.max_tokens or self.config.default_max_tokens,
@@ -191,6 +195,7 @@ class Server:
 
     async def chat(self, request: Request) -> Response:
         body = await self._request(request, ChatCompletionRequest)
+        self._check_count(1, body.n)
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model's tokenizer has no chat template: use /v1/completions",
                              "messages")
@@ -219,6 +224,16 @@ class Server:
                              f"`{self.config.model_name}` (GET /v1/models)", "model", status=404,
                              code="model_not_found")
         return body
+
+    def _check_count(self, prompts: int, n: int) -> None:
+        """A request of more sequences than the queue holds could never be admitted: a 400, not
+        a 429 to retry forever."""
+        limit = self.config.max_queue
+        if prompts * n > limit:
+            raise BadRequest(f"this request asks for {prompts * n} sequences ({prompts} "
+                             f"prompt{'s' if prompts != 1 else ''} x n={n}), more than this "
+                             f"server's queue holds ({limit}, --max-queue): it could never be "
+                             "admitted; send fewer prompts or a smaller n", "n")
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt

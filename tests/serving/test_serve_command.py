@@ -183,6 +183,17 @@ def test_a_lone_surrogate_is_a_400_not_a_500(command, path, raw):
     assert "Traceback" not in command.log()
 
 
+def test_a_request_that_can_never_be_admitted_is_a_400_naming_the_limit(command):
+    """Issue 43 item 8: more sequences than the queue holds is a 400, not a 429 forever."""
+    r = post(command, {"model": "tiny", "prompt": ["a"] * 3, "n": 3, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "--max-queue" in error["message"] and "9 sequences" in error["message"], error
+    assert "retry-after" not in r.headers
+    r = post(command, {"model": "tiny", "prompt": ["a"] * 4, "n": 2, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 8      # exactly the bound: fine
+
+
 def test_tiny_temperatures_answer_as_greedy(command):
     """Issue 43 item 9: 1e-38 (subnormal in float32) and 1e-46 (0 in float32) with a seed gave
     token 1 every time; below 1e-5 a temperature is greedy: the tokens of temperature 0."""
