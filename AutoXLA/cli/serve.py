@@ -25,6 +25,9 @@ def add_arguments(p) -> None:
                         "of more sequences than this (prompts x n) is a 400 (default 256)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help="the largest request body, refused (413) before it is read (default: 16 "
+                        "bytes per token of a full queue of the longest prompts, at least 1 MiB)")
     p.add_argument("--model-name", default=None,
                    help="the model's id in the API (default: the checkpoint folder's name)")
 
@@ -32,7 +35,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     config = ServeConfig(slots=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
                          max_tokens=args.max_tokens, max_queue=args.max_queue,
-                         request_timeout=args.request_timeout,
+                         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
                          model_name=args.model_name or Path(args.path).name)
     model, tokenizer, seconds = load_model(args, "serve", "serve")
     print(f"plan: {state_of(model).plan.summary()} (loaded in {seconds:.1f} s)", flush=True)

@@ -4,14 +4,22 @@ scheduler, with Starlette (routing, streaming) under uvicorn and Prometheus metr
     Server(model, tokenizer, ServeConfig(...)).app()     # an ASGI app
     serve(model, tokenizer, config, host, port)          # warm up, then uvicorn until stopped
 
-Every answer is JSON with a status code; a bad request is a 400 naming the field, a full queue a
-429 with Retry-After, a stopping server a 503, a request past its time a 504, and anything
-unexpected a 500 whose message says what failed, never a traceback.
+Every answer is JSON with a status code; a bad request is a 400 naming the field, a body over the
+limit a 413, an unknown model a 404, a full queue a 429 with Retry-After, a stopping server a 503,
+a request past its time a 504, and anything unexpected a 500 whose message says what failed,
+never a traceback.
+
+Nothing slow runs on the event loop: a large body is parsed and validated in a worker thread, and
+every prompt is tokenized in one, reading a long text only as far as the token limit needs
+(text.encode_within), so /health and the other clients' streams never wait for a big request.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import itertools
 import json
 import logging
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 
 import pydantic
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,8 +42,17 @@ from .engine import Sampling, SlotEngine
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .scheduler import QueueFull, Scheduler, Sequence, ShuttingDown
+from .text import TooLong, encode_within
 
 logger = logging.getLogger("AutoXLA")
+
+# The default body limit's allowance per prompt token: generous (a token is 1 to 5 characters of
+# ordinary text, up to 6 bytes each as a JSON \u escape; a token id is at most 7 bytes with its
+# comma), so that no request the other limits accept is refused for its size.
+BODY_BYTES_PER_TOKEN = 16
+# JSON bodies larger than this are parsed and validated in a worker thread, not on the event loop.
+_THREAD_PARSE_BYTES = 64 * 1024
+
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,9 @@ class ServeConfig:
     request_timeout: seconds a request may take, queue wait included (then 504, slot freed).
     drain_seconds: on shutdown, how long running requests get to finish before they are cut.
     default_max_tokens: for a completion that names no max_tokens (OpenAI's default is 16).
+    max_body_bytes: the largest request body (413 beyond it, refused before it is read); None:
+        ``BODY_BYTES_PER_TOKEN`` bytes per token of a full queue of the longest prompts
+        (``max_queue * max_prompt_tokens``), at least 1 MiB (``body_limit``).
     """
 
     slots: int = 8
@@ -60,16 +81,25 @@ class ServeConfig:
     drain_seconds: float = 30.0
     default_max_tokens: int = 16
     model_name: str = "autoxla"
+    max_body_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue",
-                     "default_max_tokens"):
+                     "default_max_tokens", "max_body_bytes"):
             value = getattr(self, name)
+            if value is None and name == "max_body_bytes":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"serve: {name} must be a positive int, got {value!r}")
         for name in ("request_timeout", "drain_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"serve: {name} must be >= 0 seconds")
+
+    @property
+    def body_limit(self) -> int:
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_queue * self.max_prompt_tokens)
 
     @property
     def prompt_buckets(self) -> tuple[int, ...]:
@@ -92,6 +122,15 @@ class BadRequest(Exception):
         super().__init__(message)
         self.param, self.status, self.headers, self.code = param, status, headers or {}, code
 
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: nobody to answer (recorded as 499, nginx's
+    "client closed request")."""
+
+
+# Sent with an answer given before the body was read whole (413, 408): the connection is closed
+# after it, so the rest of the body is neither read nor waited for.
+_CLOSE = {"Connection": "close"}
 
 class Server:
     def __init__(self, model, tokenizer, config: ServeConfig | None = None):
@@ -160,9 +199,14 @@ class Server:
                 response = await handler(request)
             except BadRequest as e:
                 response = error(e.status, str(e), e.param, e.headers, e.code)
+            except ClientGone:
+                response = Response(status_code=499)    # sent to no one
             except Exception as e:  # noqa: BLE001 - an answer, never a traceback
                 logger.exception("serving: %s failed", name)
                 response = error(500, f"internal error: {type(e).__name__}: {e}")
+            finally:
+                if getattr(request.state, "large", False):
+                    asyncio.get_running_loop().run_in_executor(None, release_memory)
             self.metrics.answered(name, response.status_code)
             return response
         return endpoint
@@ -188,7 +232,7 @@ class Server:
         p = body.prompt
         self._check_count(1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p),
                           body.n)
-        prompts = self._completion_prompts(body)
+        prompts = await run_in_threadpool(self._completion_prompts, body)
         return await self._answer(request, body, prompts, chat=False,
                                   max_tokens=body.max_tokens or self.config.default_max_tokens,
                                   logprobs=body.logprobs)
@@ -199,13 +243,7 @@ class Server:
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model's tokenizer has no chat template: use /v1/completions",
                              "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - the template's own complaint, as a 400
-            raise BadRequest(f"the chat template refused these messages: {e}", "messages")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = await run_in_threadpool(self._chat_prompt, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:       # as vLLM: what the limits leave
             max_tokens = min(self.config.max_tokens, self._position_room(len(ids)))
@@ -217,8 +255,14 @@ class Server:
 
     # -- one request -------------------------------------------------------------------------
     async def _request(self, request: Request, model):
-        """The request's body as ``model``; another model than this server's is a 404."""
-        body = await parse(request, model)
+        """The request's body as ``model``: refused past the body limit (413) or for another
+        model than this server's (404)."""
+        raw = await read_body(request, self.config.body_limit)
+        if len(raw) > _THREAD_PARSE_BYTES:
+            request.state.large = True
+            body = await run_in_threadpool(parse, raw, model)
+        else:
+            body = parse(raw, model)
         if body.model is not None and body.model != self.config.model_name:
             raise BadRequest(f"the model `{body.model}` does not exist: this server serves "
                              f"`{self.config.model_name}` (GET /v1/models)", "model", status=404,
@@ -235,7 +279,18 @@ class Server:
                              f"server's queue holds ({limit}, --max-queue): it could never be "
                              "admitted; send fewer prompts or a smaller n", "n")
 
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        limit = self.config.max_prompt_tokens
+        try:
+            return encode_within(self.tokenizer, text, limit, add_special_tokens)
+        except TooLong as e:
+            where = ("the prompt has" if e.characters is None else
+                     f"the prompt's first {e.characters} characters already have")
+            raise BadRequest(f"{where} {e.tokens} tokens, more than this server's limit of "
+                             f"{limit} (--max-prompt-tokens)", param)
+
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The prompts' token ids (a worker thread: tokenizing is not for the event loop)."""
         p = body.prompt
         if isinstance(p, str):
             texts = [p]
@@ -249,16 +304,30 @@ class Server:
             raise BadRequest("prompt is empty", "prompt")
         out = []
         for text in texts:
-            ids = self.tokenizer(text)["input_ids"]
+            ids = self._encode(text, True, "prompt")
             if not ids:
                 raise BadRequest("prompt is empty: nothing to continue", "prompt")
             out.append(ids)
         return out
 
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template applied and tokenized (a worker thread)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own complaint, as a 400
+            raise BadRequest(f"the chat template refused these messages: {e}", "messages")
+        return self._encode(text, False, "messages")
+
     def _check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.engine.vocab
         if not ids or any(not 0 <= i < vocab for i in ids):
             raise BadRequest(f"prompt token ids must be in [0, {vocab}) and not empty", "prompt")
+        limit = self.config.max_prompt_tokens
+        if len(ids) > limit:
+            raise BadRequest(f"the prompt has {len(ids)} tokens, more than this server's "
+                             f"limit of {limit} (--max-prompt-tokens)", "prompt")
         return ids
 
     def _position_room(self, prompt: int) -> int:
@@ -269,11 +338,6 @@ class Server:
         bad = body.unsupported()
         if bad:
             raise BadRequest(f"{bad[0]} is not supported by this server; drop it", bad[0])
-        limit = self.config.max_prompt_tokens
-        for ids in prompts:
-            if len(ids) > limit:
-                raise BadRequest(f"the prompt has {len(ids)} tokens, more than this server's "
-                                 f"limit of {limit} (--max-prompt-tokens)", "prompt")
         if max_tokens < 1:
             raise BadRequest("the prompt leaves no room for an answer within the model's "
                              f"{self.max_positions} positions", "messages")
@@ -467,10 +531,33 @@ class _Reply:
                 "total_tokens": prompt + completion}
 
 
-async def parse(request: Request, model):
-    """The request's JSON body as ``model`` (parsed and validated by pydantic in strict mode),
-    or a 400 naming the field and what is wrong with it."""
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it is known to pass ``limit`` bytes: from
+    its Content-Length before a byte of it is read, else (chunked) while the chunks are counted;
+    the connection is then closed.
+
+    Starlette's own limit (``Route(max_body_size=...)``) answers any response to such a request
+    with its plain-text 413; every error here is JSON, so the same two checks are made here."""
+    too_large = BadRequest(f"the request body is larger than this server's limit of {limit} "
+                           "bytes (--max-body-bytes)", status=413, headers=_CLOSE)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise too_large
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+def parse(raw: bytes, model):
+    """``raw`` as ``model`` (JSON parsed and validated by pydantic in strict mode), or a 400
+    naming the field and what is wrong with it."""
     try:
         return model.model_validate_json(raw)
     except pydantic.ValidationError as e:
@@ -500,8 +587,9 @@ def _brief(value) -> str:
 
 def error_body(message: str, param: str | None, status: int,
                code: str | int | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-            503: "unavailable", 504: "timeout"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 404: "invalid_request_error",
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable",
+            504: "timeout"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param,
                       "code": status if code is None else code}}
 
@@ -510,6 +598,21 @@ def error(status: int, message: str, param: str | None = None, headers: dict | N
           code: str | int | None = None):
     return JSONResponse(error_body(message, param, status, code), status_code=status,
                         headers=headers)
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def release_memory() -> None:
+    """Hand the heap a large request freed back to the system: glibc keeps the pages of the
+    worker threads' arenas otherwise (a 1 MB body's JSON and tokens kept ~100 MB of RSS after
+    it was answered; malloc_trim returns them). Elsewhere than glibc, nothing."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def eos_token_ids(hf) -> tuple[int, ...]:

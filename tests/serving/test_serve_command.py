@@ -19,6 +19,7 @@ from .test_server import free_port
 
 MAX_QUEUE = 8
 MAX_TOKENS = 128
+BODY_LIMIT = 1 << 20     # the default: 16 bytes x 8 queued x 32 prompt tokens is less than 1 MiB
 SERVE_ARGS = ["--devices", "8", "--max-batch", "4", "--max-prompt-tokens", "32",
               "--max-tokens", str(MAX_TOKENS), "--max-queue", str(MAX_QUEUE),
               "--model-name", "tiny"]
@@ -210,6 +211,41 @@ def test_tiny_temperatures_answer_as_greedy(command):
         text, tokens, logprobs = ask(temperature)
         assert (text, tokens) == greedy[:2], temperature
         assert logprobs == pytest.approx(greedy[2], abs=1e-4), temperature
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(command):
+    """Issue 43 item 6: a 50 MB body is refused from its Content-Length with a JSON 413 naming
+    the limit and its option, before the rest is sent; a chunked one as soon as its chunks pass
+    the limit; /health answers while a slow upload is in progress; and a prompt whose first
+    characters already exceed the token limit is refused without tokenizing the rest."""
+    with connect(command) as s:                      # declared: refused on the headers
+        s.sendall(head(50_000_000) + b'{"model": "tiny", "prompt": "' + b"x" * 65536)
+        status, headers, body = read_response(s)
+        assert status == 413, body
+        error = json.loads(body)["error"]
+        assert str(BODY_LIMIT) in error["message"] and "--max-body-bytes" in error["message"]
+        assert headers.get("connection") == "close" and closed_by_server(s, 5)
+    with connect(command) as s:                      # chunked: refused once past the limit
+        s.sendall(head(chunked=True))
+        chunk = b"x" * (256 * 1024)
+        for _ in range(5):                            # 1.25 MiB, and no last chunk
+            s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        status, _, body = read_response(s)
+        assert status == 413 and "--max-body-bytes" in json.loads(body)["error"]["message"]
+    with connect(command) as s:                      # a slow upload does not hold the others
+        s.sendall(head(300_000) + b'{"model": "tiny", "prompt": "')
+        for _ in range(3):
+            s.sendall(b"word " * 2000)
+            assert health(command)["status"] == "ok"
+            time.sleep(0.2)
+    text = "word " * ((BODY_LIMIT - 1000) // 5)     # under the body limit, 200k tokens
+    r = post(command, {"model": "tiny", "prompt": text, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    # the first 16 x 33 characters were enough to refuse it
+    assert "first" in message and "characters already have" in message, message
+    assert "--max-prompt-tokens" in message
+    assert health(command)["status"] == "ok"
 
 
 def test_sigint_stops_the_server_cleanly(command):
