@@ -178,6 +178,12 @@ class Scheduler:
                 if not self.waiting or len(self.live) >= engine.slots:
                     return
                 seq = self.waiting[0]
+                dropped = seq.cancelled        # cancelled since the loop's last look: no prefill
+                if dropped:
+                    self.waiting.popleft()
+            if dropped:
+                self._finish(seq, "abort")
+                continue
             if engine.t + seq.max_tokens > engine.length and not self._make_room(seq):
                 return                      # it waits for live rows to finish (first come first)
             with self._cv:

@@ -205,6 +205,9 @@ class Server:
                 logger.exception("serving: %s failed", name)
                 response = error(500, f"internal error: {type(e).__name__}: {e}")
             finally:
+                watch = getattr(request.state, "watch", None)
+                if watch is not None:      # a stream's disconnect is Starlette's to hear now
+                    watch.close()
                 if getattr(request.state, "large", False):
                     asyncio.get_running_loop().run_in_executor(None, release_memory)
             self.metrics.answered(name, response.status_code)
@@ -256,8 +259,10 @@ class Server:
     # -- one request -------------------------------------------------------------------------
     async def _request(self, request: Request, model):
         """The request's body as ``model``: refused past the body limit (413) or for another
-        model than this server's (404)."""
+        model than this server's (404). From then on the client's disconnect is watched
+        (``request.state.watch``)."""
         raw = await read_body(request, self.config.body_limit)
+        request.state.watch = _Watch(request)
         if len(raw) > _THREAD_PARSE_BYTES:
             request.state.large = True
             body = await run_in_threadpool(parse, raw, model)
@@ -388,6 +393,10 @@ class Server:
             return emit
 
         seqs = self._sequences(body, prompts, max_tokens, emit_for, logprobs is not None)
+        watch = request.state.watch
+        if watch.gone:                 # gone while its prompt was read: never queued
+            raise ClientGone
+        watch.on_gone = lambda: _cancel(self.scheduler, seqs)    # queued or running: freed
         try:
             self.scheduler.submit(seqs)
         except QueueFull as e:
@@ -397,9 +406,37 @@ class Server:
             raise BadRequest(str(e), status=503)
         reply = _Reply(self, body, seqs, chat, logprobs)
         if body.stream:
-            return StreamingResponse(reply.stream(events, request), media_type="text/event-stream",
+            return StreamingResponse(reply.stream(events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await reply.whole(events, request)
+        return await reply.whole(events, watch)
+
+
+def _cancel(scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        if seq.finish_reason is None:
+            seq.cancel()
+    scheduler.wake()
+
+
+class _Watch:
+    """Listens for the client's disconnect once its body is read (uvicorn reports it as the next
+    ASGI message): ``gone``, and ``on_gone`` called. A whole answer's client is heard only this
+    way while its sequences wait or run, so its slots are freed at once, as a stream's are."""
+
+    def __init__(self, request: Request):
+        self.gone = False
+        self.on_gone = None
+        self._task = asyncio.ensure_future(self._run(request.receive))
+
+    async def _run(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self.on_gone is not None:
+            self.on_gone()
+
+    def close(self) -> None:
+        self._task.cancel()
 
 
 class _Reply:
@@ -415,34 +452,27 @@ class _Reply:
         self.deadline = time.monotonic() + server.config.request_timeout
 
     def cancel(self) -> None:
-        for seq in self.seqs:
-            if seq.finish_reason is None:
-                seq.cancel()
-        self.server.scheduler.wake()
+        _cancel(self.server.scheduler, self.seqs)
 
-    async def _events(self, events: asyncio.Queue, request: Request):
-        """Yield (index, kind, payload) until every sequence is done; a client gone or the
-        deadline passed cancels the rest (TimeoutError for the latter)."""
+    async def _events(self, events: asyncio.Queue):
+        """Yield (index, kind, payload) until every sequence is done; past the deadline the
+        rest are cancelled and TimeoutError raised."""
         done = 0
         while done < len(self.seqs):
             try:
-                item = await asyncio.wait_for(events.get(), timeout=0.25)
+                item = await asyncio.wait_for(events.get(),
+                                              timeout=max(0.0, self.deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel()
-                    return
-                if time.monotonic() > self.deadline:
-                    self.cancel()
-                    raise TimeoutError
-                continue
+                self.cancel()
+                raise TimeoutError
             if item[1] == "done":
                 done += 1
             yield item
 
-    async def whole(self, events, request) -> Response:
+    async def whole(self, events, watch: _Watch) -> Response:
         reasons = [None] * len(self.seqs)
         try:
-            async for index, kind, payload in self._events(events, request):
+            async for index, kind, payload in self._events(events):
                 if kind == "token":
                     self.texts[index] += payload.text
                     self.tokens[index].append(payload)
@@ -454,6 +484,8 @@ class _Reply:
         except asyncio.CancelledError:
             self.cancel()
             raise
+        if watch.gone:
+            raise ClientGone
         if any(r == "error" for r in reasons):
             why = self.server.scheduler.error or "see the server's log"
             raise BadRequest(f"generation failed: {why}", status=500)
@@ -464,10 +496,12 @@ class _Reply:
                              "model": self.server.config.model_name, "choices": choices,
                              "usage": self._usage()})
 
-    async def stream(self, events, request):
+    async def stream(self, events):
+        """The chunks; a client gone mid-stream is Starlette's to hear (it cancels this
+        generator, whose ``finally`` frees the slots)."""
         first = [True] * len(self.seqs)
         try:
-            async for index, kind, payload in self._events(events, request):
+            async for index, kind, payload in self._events(events):
                 if kind == "token":
                     self.tokens[index].append(payload)
                     self.texts[index] += payload.text

@@ -248,6 +248,31 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(command):
     assert health(command)["status"] == "ok"
 
 
+def test_non_stream_clients_that_hang_up_free_their_slots(command):
+    """Issue 43 item 11: whole (non-stream) requests whose clients close their connection are
+    cancelled at once, running or queued, as streams are; none runs to its max_tokens."""
+    aborted = 'autoxla_sequences_finished_total{reason="abort"}'
+    before_abort, before_tokens = metric(command, aborted), metric(
+        command, "autoxla_generated_tokens_total")
+    body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    sockets = []
+    try:
+        for _ in range(6):                           # 4 slots: 4 running, 2 queued
+            s = connect(command)
+            s.sendall(head(len(body)) + body)
+            sockets.append(s)
+        assert wait_until(lambda: health(command)["slots_in_use"] == 4, 30)
+    finally:
+        for s in sockets:
+            s.close()
+    assert wait_until(lambda: health(command)["slots_in_use"] == 0
+                      and health(command)["queue_depth"] == 0, 10)
+    assert metric(command, aborted) == before_abort + 6
+    generated = metric(command, "autoxla_generated_tokens_total") - before_tokens
+    assert generated < 4 * MAX_TOKENS, generated
+
+
 def test_sigint_stops_the_server_cleanly(command):
     """Last (it stops the process): Ctrl-C ends it with status 0 and no traceback."""
     command.proc.send_signal(signal.SIGINT)
