@@ -1,8 +1,8 @@
 """``autoxla serve``'s server: OpenAI's completions and chat completions over the continuous-batching
-scheduler, with Starlette (routing, streaming) under uvicorn and Prometheus metrics.
+scheduler, with Starlette (routing, streaming) and Prometheus metrics; web.py runs it under
+uvicorn.
 
     Server(model, tokenizer, ServeConfig(...)).app()     # an ASGI app
-    serve(model, tokenizer, config, host, port)          # warm up, then uvicorn until stopped
 
 Every answer is JSON with a status code; a bad request is a 400 naming the field, a body over the
 limit a 413, an unknown model a 404, a full queue a 429 with Retry-After, a stopping server a 503,
@@ -71,6 +71,12 @@ class ServeConfig:
     max_body_bytes: the largest request body (413 beyond it, refused before it is read); None:
         ``BODY_BYTES_PER_TOKEN`` bytes per token of a full queue of the longest prompts
         (``max_queue * max_prompt_tokens``), at least 1 MiB (``body_limit``).
+    header_timeout: seconds a connection may take to send a request's headers (from connecting,
+        or from the first byte of its next request) before it is closed; a pause as long inside
+        a body ends the request with 408.
+    max_connections: open connections served at once; a request on one more gets 503. None:
+        ``slots + max_queue + 64`` (every admitted or queued request, and room for health checks
+        and idle keep-alive connections; ``connection_limit``).
     """
 
     slots: int = 8
@@ -82,24 +88,35 @@ class ServeConfig:
     default_max_tokens: int = 16
     model_name: str = "autoxla"
     max_body_bytes: int | None = None
+    header_timeout: float = 10.0
+    max_connections: int | None = None
 
     def __post_init__(self):
         for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue",
-                     "default_max_tokens", "max_body_bytes"):
+                     "default_max_tokens", "max_body_bytes", "max_connections"):
             value = getattr(self, name)
-            if value is None and name == "max_body_bytes":
+            if value is None and name in ("max_body_bytes", "max_connections"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"serve: {name} must be a positive int, got {value!r}")
         for name in ("request_timeout", "drain_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"serve: {name} must be >= 0 seconds")
+        if not self.header_timeout > 0:
+            raise ValueError(f"serve: header_timeout must be > 0 seconds, got "
+                             f"{self.header_timeout!r}")
 
     @property
     def body_limit(self) -> int:
         if self.max_body_bytes is not None:
             return self.max_body_bytes
         return max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_queue * self.max_prompt_tokens)
+
+    @property
+    def connection_limit(self) -> int:
+        if self.max_connections is not None:
+            return self.max_connections
+        return self.slots + self.max_queue + 64
 
     @property
     def prompt_buckets(self) -> tuple[int, ...]:
@@ -261,7 +278,7 @@ class Server:
         """The request's body as ``model``: refused past the body limit (413) or for another
         model than this server's (404). From then on the client's disconnect is watched
         (``request.state.watch``)."""
-        raw = await read_body(request, self.config.body_limit)
+        raw = await read_body(request, self.config.body_limit, self.config.header_timeout)
         request.state.watch = _Watch(request)
         if len(raw) > _THREAD_PARSE_BYTES:
             request.state.large = True
@@ -565,10 +582,10 @@ class _Reply:
                 "total_tokens": prompt + completion}
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The request's body, refused (413) as soon as it is known to pass ``limit`` bytes: from
     its Content-Length before a byte of it is read, else (chunked) while the chunks are counted;
-    the connection is then closed.
+    a pause of ``timeout`` seconds between two chunks is a 408. Both close the connection.
 
     Starlette's own limit (``Route(max_body_size=...)``) answers any response to such a request
     with its plain-text 413; every error here is JSON, so the same two checks are made here."""
@@ -579,7 +596,11 @@ async def read_body(request: Request, limit: int) -> bytes:
         raise too_large
     body = bytearray()
     while True:
-        message = await request.receive()
+        try:
+            message = await asyncio.wait_for(request.receive(), timeout)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body stalled: nothing arrived for {timeout:g} s "
+                             "(--header-timeout)", status=408, headers=_CLOSE)
         if message["type"] == "http.disconnect":
             raise ClientGone
         body += message.get("body", b"")
@@ -621,7 +642,7 @@ def _brief(value) -> str:
 
 def error_body(message: str, param: str | None, status: int,
                code: str | int | None = None) -> dict:
-    kind = {400: "invalid_request_error", 404: "invalid_request_error",
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 408: "timeout",
             413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable",
             504: "timeout"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param,
@@ -665,43 +686,3 @@ def torch_ids(length: int):
     return torch.ones(length, dtype=torch.int64)
 
 
-class Background:
-    """A Server's app listening in a thread of this process (notebooks, tests, benchmarks):
-    ``url`` is its base (``.../v1`` for the openai client), ``stop()`` ends it gracefully."""
-
-    def __init__(self, server: Server, host: str = "127.0.0.1", port: int | None = None):
-        import socket
-        import threading
-
-        import uvicorn
-
-        if port is None:                     # a free port, picked by the system
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        self._web = uvicorn.Server(uvicorn.Config(server.app(), host=host, port=port,
-                                                  log_level="warning"))
-        self._thread = threading.Thread(target=self._web.run, daemon=True)
-        self._thread.start()
-        while not self._web.started:
-            if not self._thread.is_alive():
-                raise OSError(f"the server could not listen on {host}:{port}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._web.should_exit = True
-        self._thread.join(timeout=120)
-
-
-def serve(model, tokenizer, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
-          progress: bool = True) -> None:
-    """Warm up (every program compiled, with a progress bar), then serve until interrupted."""
-    import uvicorn
-
-    server = Server(model, tokenizer, config)
-    compiled = server.warm_up(progress=progress)
-    print(f"AutoXLA: {compiled} programs compiled; serving {config.model_name} on "
-          f"http://{host}:{port}/v1 ({config.slots} slots)", flush=True)
-    uvicorn.run(server.app(), host=host, port=port, log_level="warning",
-                timeout_graceful_shutdown=max(1, int(config.drain_seconds)))

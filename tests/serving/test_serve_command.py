@@ -18,11 +18,14 @@ import pytest
 from .test_server import free_port
 
 MAX_QUEUE = 8
+HEADER_TIMEOUT = 1.0
+MAX_CONNECTIONS = 16
 MAX_TOKENS = 128
 BODY_LIMIT = 1 << 20     # the default: 16 bytes x 8 queued x 32 prompt tokens is less than 1 MiB
 SERVE_ARGS = ["--devices", "8", "--max-batch", "4", "--max-prompt-tokens", "32",
               "--max-tokens", str(MAX_TOKENS), "--max-queue", str(MAX_QUEUE),
-              "--model-name", "tiny"]
+              "--model-name", "tiny", "--header-timeout", str(HEADER_TIMEOUT),
+              "--max-connections", str(MAX_CONNECTIONS)]
 
 
 class Command:
@@ -271,6 +274,46 @@ def test_non_stream_clients_that_hang_up_free_their_slots(command):
     assert metric(command, aborted) == before_abort + 6
     generated = metric(command, "autoxla_generated_tokens_total") - before_tokens
     assert generated < 4 * MAX_TOKENS, generated
+
+
+def test_past_the_connection_limit_a_request_gets_a_json_503(command):
+    """Issue 43 item 12: past --max-connections a request gets a JSON 503 naming the option;
+    once the idle connections are closed (--header-timeout), requests are answered again."""
+    idle = [connect(command) for _ in range(MAX_CONNECTIONS)]
+    try:
+        r = post(command, {"model": "tiny", "prompt": "hi", "max_tokens": 1}, timeout=10)
+        assert r.status_code == 503, r.text
+        assert "--max-connections" in r.json()["error"]["message"]
+    finally:
+        for s in idle:
+            s.close()
+    assert wait_until(lambda: post(command, {"model": "tiny", "prompt": "hi", "max_tokens": 1},
+                                   timeout=10).status_code == 200, 10)
+
+
+def test_slow_header_connections_are_closed_after_the_header_timeout(command):
+    """Issue 43 item 12: a connection that sends nothing, or its headers a byte at a time, is
+    closed after --header-timeout (uvicorn has no such timer before a first response)."""
+    silent = [connect(command) for _ in range(5)]
+    slow = [connect(command) for _ in range(5)]
+    try:
+        request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        started = time.monotonic()
+        sent = 0
+        while time.monotonic() - started < 3 * HEADER_TIMEOUT and sent < len(request):
+            for s in slow:
+                try:
+                    s.send(request[sent:sent + 1])
+                except OSError:
+                    pass
+            sent += 1
+            time.sleep(HEADER_TIMEOUT / 5)
+        assert all(closed_by_server(s, 3 * HEADER_TIMEOUT) for s in silent + slow)
+        assert time.monotonic() - started < 8 * HEADER_TIMEOUT
+    finally:
+        for s in silent + slow:
+            s.close()
+    assert health(command)["status"] == "ok"
 
 
 def test_sigint_stops_the_server_cleanly(command):
