@@ -25,6 +25,9 @@ def add_arguments(p) -> None:
                         "of more sequences than this (prompts x n) is a 400 (default 256)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, queue included (default 600)")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on Ctrl-C or SIGTERM: new requests get 503 at once, running ones get "
+                        "this long to finish, then are cut (default 30)")
     p.add_argument("--max-body-bytes", type=int, default=None,
                    help="the largest request body, refused (413) before it is read (default: 16 "
                         "bytes per token of a full queue of the longest prompts, at least 1 MiB)")
@@ -42,7 +45,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     config = ServeConfig(slots=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
                          max_tokens=args.max_tokens, max_queue=args.max_queue,
-                         request_timeout=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                         request_timeout=args.request_timeout,
+                         drain_seconds=args.drain_seconds, max_body_bytes=args.max_body_bytes,
                          header_timeout=args.header_timeout,
                          max_connections=args.max_connections,
                          model_name=args.model_name or Path(args.path).name)

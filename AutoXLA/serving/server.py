@@ -46,13 +46,13 @@ from .text import TooLong, encode_within
 
 logger = logging.getLogger("AutoXLA")
 
+
 # The default body limit's allowance per prompt token: generous (a token is 1 to 5 characters of
 # ordinary text, up to 6 bytes each as a JSON \u escape; a token id is at most 7 bytes with its
 # comma), so that no request the other limits accept is refused for its size.
 BODY_BYTES_PER_TOKEN = 16
 # JSON bodies larger than this are parsed and validated in a worker thread, not on the event loop.
 _THREAD_PARSE_BYTES = 64 * 1024
-
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class ServeConfig:
     max_queue: sequences waiting for a slot before new requests get 429; a request of more
         sequences than this (prompts x n) could never be admitted and is a 400.
     request_timeout: seconds a request may take, queue wait included (then 504, slot freed).
-    drain_seconds: on shutdown, how long running requests get to finish before they are cut.
+    drain_seconds: on shutdown (Ctrl-C, SIGTERM), how long running requests get to finish
+        before they are cut; new requests get 503 at once.
     default_max_tokens: for a completion that names no max_tokens (OpenAI's default is 16).
     max_body_bytes: the largest request body (413 beyond it, refused before it is read); None:
         ``BODY_BYTES_PER_TOKEN`` bytes per token of a full queue of the longest prompts
@@ -149,6 +150,7 @@ class ClientGone(Exception):
 # after it, so the rest of the body is neither read nor waited for.
 _CLOSE = {"Connection": "close"}
 
+
 class Server:
     def __init__(self, model, tokenizer, config: ServeConfig | None = None):
         self.model, self.tokenizer = model, tokenizer
@@ -190,7 +192,14 @@ class Server:
         self.scheduler.start()
 
     def stop(self) -> None:
+        """Graceful: new requests get 503 at once; queued and running ones get
+        ``drain_seconds`` to finish; then the rest are cut (a stream ends with finish_reason
+        "abort", an error event and [DONE]; a whole answer is a 503) and the loop ends."""
         self.scheduler.stop(self.config.drain_seconds)
+
+    @property
+    def closing(self) -> bool:
+        return self.scheduler.closing
 
     # -- the app ---------------------------------------------------------------------------------
     def app(self) -> Starlette:
@@ -234,6 +243,8 @@ class Server:
     async def health(self, request: Request) -> Response:
         if self.scheduler.error is not None:
             return error(503, f"the generation loop stopped: {self.scheduler.error}")
+        if self.closing:
+            return error(503, "the server is shutting down")
         return JSONResponse({"status": "ok", "slots": self.config.slots,
                              "slots_in_use": len(self.scheduler.live),
                              "queue_depth": self.scheduler.queue_depth})
@@ -275,9 +286,11 @@ class Server:
 
     # -- one request -------------------------------------------------------------------------
     async def _request(self, request: Request, model):
-        """The request's body as ``model``: refused past the body limit (413) or for another
-        model than this server's (404). From then on the client's disconnect is watched
-        (``request.state.watch``)."""
+        """The request's body as ``model``: refused at once while shutting down (503), past the
+        body limit (413) or for another model than this server's (404). From then on the
+        client's disconnect is watched (``request.state.watch``)."""
+        if self.closing:
+            raise BadRequest("the server is shutting down", status=503)
         raw = await read_body(request, self.config.body_limit, self.config.header_timeout)
         request.state.watch = _Watch(request)
         if len(raw) > _THREAD_PARSE_BYTES:
@@ -471,6 +484,13 @@ class _Reply:
     def cancel(self) -> None:
         _cancel(self.server.scheduler, self.seqs)
 
+    def _cut_by_shutdown(self, reasons) -> bool:
+        return "abort" in reasons and self.server.closing
+
+    def _shutdown_message(self) -> str:
+        return (f"the server shut down before this request finished (running requests get "
+                f"{self.server.config.drain_seconds:g} s, --drain-seconds)")
+
     async def _events(self, events: asyncio.Queue):
         """Yield (index, kind, payload) until every sequence is done; past the deadline the
         rest are cancelled and TimeoutError raised."""
@@ -506,6 +526,8 @@ class _Reply:
         if any(r == "error" for r in reasons):
             why = self.server.scheduler.error or "see the server's log"
             raise BadRequest(f"generation failed: {why}", status=500)
+        if self._cut_by_shutdown(reasons):
+            raise BadRequest(self._shutdown_message(), status=503)
         choices = [self._choice(i, self.texts[i], self.tokens[i], reasons[i], whole=True)
                    for i in range(len(self.seqs))]
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else
@@ -517,6 +539,7 @@ class _Reply:
         """The chunks; a client gone mid-stream is Starlette's to hear (it cancels this
         generator, whose ``finally`` frees the slots)."""
         first = [True] * len(self.seqs)
+        reasons = [None] * len(self.seqs)
         try:
             async for index, kind, payload in self._events(events):
                 if kind == "token":
@@ -525,13 +548,22 @@ class _Reply:
                     choice = self._choice(index, payload.text, [payload], None, whole=False,
                                           first=first[index])
                 else:
+                    reasons[index] = payload
                     choice = self._choice(index, "", [], payload, whole=False,
                                           first=first[index])
                 first[index] = False
                 yield self._chunk([choice])
-            options = self.body.stream_options
-            if options is not None and options.include_usage:
-                yield self._chunk([], usage=self._usage())
+            if self._cut_by_shutdown(reasons):
+                yield "data: " + json.dumps(error_body(self._shutdown_message(), None,
+                                                       503)) + "\n\n"
+            elif "error" in reasons:
+                why = self.server.scheduler.error or "see the server's log"
+                yield "data: " + json.dumps(error_body(f"generation failed: {why}", None,
+                                                       500)) + "\n\n"
+            else:
+                options = self.body.stream_options
+                if options is not None and options.include_usage:
+                    yield self._chunk([], usage=self._usage())
         except TimeoutError:
             yield "data: " + json.dumps(error_body(
                 f"the request took longer than the server's "
@@ -684,5 +716,3 @@ def torch_ids(length: int):
     import torch
 
     return torch.ones(length, dtype=torch.int64)
-
-

@@ -1,5 +1,5 @@
-"""The Server's app under uvicorn, with what uvicorn leaves to its users: a header timeout and
-the connection limit answered in JSON.
+"""The Server's app under uvicorn, with what uvicorn leaves to its users: a header timeout, the
+connection limit answered in JSON, and a graceful shutdown that keeps answering.
 
     serve(model, tokenizer, config, host, port)          # warm up, then serve until stopped
     Background(server)                                   # the same in a thread of this process
@@ -16,9 +16,15 @@ uvicorn's own settings are used where they exist: ``limit_concurrency`` (the con
   ``header_timeout`` the connection is closed.
 - **The connection limit's 503 in JSON.** Past ``limit_concurrency`` uvicorn answers a plain-text
   503; the protocol keeps the same rule and answers it as every other error here is answered.
+- **Shutdown.** On SIGINT or SIGTERM uvicorn stops listening at once and then waits for the open
+  requests, while the app goes on admitting new ones on open connections. ``_Web`` first tells
+  the app (it answers 503 at once, and keeps listening so new connections hear it), gives running
+  requests ``drain_seconds`` to finish, cuts the rest with a proper ending (Server.stop), and only
+  then lets uvicorn close the listener and the connections. A second Ctrl-C cuts at once.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -29,6 +35,10 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .server import ServeConfig, Server, error_body
+
+# After the drain every request has its last event: this is how long uvicorn then waits for the
+# handlers to send their last bytes before it cancels them.
+_FLUSH_SECONDS = 5
 
 
 def _protocol(header_timeout: float):
@@ -94,10 +104,52 @@ def _protocol(header_timeout: float):
     return Protocol
 
 
-def _settings(config: ServeConfig) -> dict:
-    return dict(log_level="warning", http=_protocol(config.header_timeout),
-                limit_concurrency=config.connection_limit,
-                timeout_graceful_shutdown=max(1, int(config.drain_seconds)))
+def uvicorn_config(server: Server, host: str, port: int) -> uvicorn.Config:
+    config: ServeConfig = server.config
+    return uvicorn.Config(server.app(), host=host, port=port, log_level="warning",
+                          http=_protocol(config.header_timeout),
+                          limit_concurrency=config.connection_limit,
+                          timeout_graceful_shutdown=_FLUSH_SECONDS)
+
+
+class _Web(uvicorn.Server):
+    """uvicorn's server, its shutdown preceded by the app's drain (the module's docstring)."""
+
+    def __init__(self, config: uvicorn.Config, server: Server):
+        super().__init__(config)
+        self.app_server = server
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        self._drain_task = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        """SIGINT or SIGTERM (a signal handler, in the main thread): the first drains, a second
+        cuts what is left at once (uvicorn's own handling: it then exits)."""
+        if self.draining or self.loop is None:
+            self.app_server.scheduler.cut()
+            super().handle_exit(sig, frame)
+        else:
+            self.begin_shutdown()
+
+    def begin_shutdown(self) -> None:
+        """From any thread."""
+        if self.draining or self.loop is None:
+            return
+        self.draining = True
+        self.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = self.loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.loop.run_in_executor(None, self.app_server.stop)
+        finally:
+            self.should_exit = True
 
 
 class Background:
@@ -110,8 +162,7 @@ class Background:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.url = f"http://{host}:{port}"
-        self._web = uvicorn.Server(uvicorn.Config(server.app(), host=host, port=port,
-                                                  **_settings(server.config)))
+        self._web = _Web(uvicorn_config(server, host, port), server)
         self._thread = threading.Thread(target=self._web.run, daemon=True)
         self._thread.start()
         while not self._web.started:
@@ -120,8 +171,8 @@ class Background:
             time.sleep(0.02)
 
     def stop(self) -> None:
-        self._web.should_exit = True
-        self._thread.join(timeout=120)
+        self._web.begin_shutdown()
+        self._thread.join(timeout=self._web.app_server.config.drain_seconds + 120)
 
 
 def serve(model, tokenizer, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
@@ -131,4 +182,7 @@ def serve(model, tokenizer, config: ServeConfig, host: str = "127.0.0.1", port: 
     compiled = server.warm_up(progress=progress)
     print(f"AutoXLA: {compiled} programs compiled; serving {config.model_name} on "
           f"http://{host}:{port}/v1 ({config.slots} slots)", flush=True)
-    uvicorn.run(server.app(), host=host, port=port, **_settings(config))
+    web = _Web(uvicorn_config(server, host, port), server)
+    web.run()
+    if not web.started:
+        raise OSError(f"the server could not listen on {host}:{port}")

@@ -1,7 +1,9 @@
 """`autoxla serve` as a user starts it: one process of its own for the module (it loads, compiles
 with its progress bar, answers the openai client and raw HTTP on loopback), then what a client
-can do to a server, and last a Ctrl-C (it stops the process). Every request is bounded (its own
-timeout); most of the module's time is the process's start."""
+can do to a server: bodies too large or slow, bad JSON and types, requests that can never be
+admitted, tiny temperatures, clients that hang up or send their headers a byte at a time, and a
+Ctrl-C with requests in flight (last: it stops the process). Every request is bounded (its own
+timeout); the whole module takes about a minute, most of it the process's start."""
 import concurrent.futures
 import json
 import os
@@ -20,12 +22,13 @@ from .test_server import free_port
 MAX_QUEUE = 8
 HEADER_TIMEOUT = 1.0
 MAX_CONNECTIONS = 16
+DRAIN_SECONDS = 3.0
 MAX_TOKENS = 128
 BODY_LIMIT = 1 << 20     # the default: 16 bytes x 8 queued x 32 prompt tokens is less than 1 MiB
 SERVE_ARGS = ["--devices", "8", "--max-batch", "4", "--max-prompt-tokens", "32",
               "--max-tokens", str(MAX_TOKENS), "--max-queue", str(MAX_QUEUE),
               "--model-name", "tiny", "--header-timeout", str(HEADER_TIMEOUT),
-              "--max-connections", str(MAX_CONNECTIONS)]
+              "--max-connections", str(MAX_CONNECTIONS), "--drain-seconds", str(DRAIN_SECONDS)]
 
 
 class Command:
@@ -316,12 +319,69 @@ def test_slow_header_connections_are_closed_after_the_header_timeout(command):
     assert health(command)["status"] == "ok"
 
 
-def test_sigint_stops_the_server_cleanly(command):
-    """Last (it stops the process): Ctrl-C ends it with status 0 and no traceback."""
-    command.proc.send_signal(signal.SIGINT)
+def stream_events(command, body: dict) -> list:
+    """A stream's events: parsed JSON, or "[DONE]"."""
+    out = []
+    with httpx.stream("POST", command.url + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_shutdown_refuses_at_once_drains_then_ends_every_request_properly(command):
+    """Issue 43 item 10, last (it stops the process): after SIGINT a new request, on a new
+    connection, is a JSON 503 at once; a short running request finishes; after --drain-seconds
+    every stream still running ends with finish_reason "abort", an error event and [DONE], and
+    every whole request gets a JSON 503; the process exits 0 with no traceback."""
+    long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        # admitted first (the queue is first come first served): its 24 tokens fit the drain
+        short = pool.submit(post, command, {**long, "max_tokens": 24})
+        assert wait_until(lambda: health(command)["slots_in_use"] == 1, 30)
+        streams = [pool.submit(stream_events, command, long) for _ in range(3)]
+        wholes = [pool.submit(post, command, long) for _ in range(3)]
+        # 4 slots and 7 requests: 3 wait for 128 steps of the first ones, far past the drain
+        assert wait_until(lambda: health(command)["queue_depth"] >= 2, 30)
+        command.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        refused = post(command, {"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=5)
+        assert refused.status_code == 503, refused.text
+        assert "shutting down" in refused.json()["error"]["message"]
+        assert httpx.get(command.url + "/health", timeout=5).status_code == 503
+        answer = short.result(timeout=60)
+        assert answer.status_code == 200 and \
+            answer.json()["choices"][0]["finish_reason"] == "length"
+        cut = 0
+        for future in streams:
+            events = future.result(timeout=60)
+            assert events[-1] == "[DONE]", events[-3:]
+            reasons = [c["finish_reason"] for e in events[:-1] if "choices" in e
+                       for c in e["choices"] if c["finish_reason"]]
+            assert len(reasons) == 1, events[-3:]
+            if reasons == ["abort"]:
+                cut += 1
+                assert events[-2]["error"]["code"] == 503, events[-3:]
+                assert "--drain-seconds" in events[-2]["error"]["message"]
+            else:
+                assert reasons == ["length"]
+        for future in wholes:
+            r = future.result(timeout=60)
+            assert r.headers["content-type"] == "application/json", r.text
+            if r.status_code == 503:
+                cut += 1
+                assert "--drain-seconds" in r.json()["error"]["message"]
+            else:
+                assert r.status_code == 200, r.text
+    assert cut >= 2
+    out = ""
     try:
-        command.proc.wait(timeout=120)
+        command.proc.wait(timeout=60)
     finally:
         out = command.log()
     assert command.proc.returncode == 0, out
-    assert "Traceback" not in out, out
+    assert "Traceback" not in out and "Exception in ASGI application" not in out, out
