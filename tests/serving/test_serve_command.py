@@ -345,8 +345,13 @@ def test_shutdown_refuses_at_once_drains_then_ends_every_request_properly(comman
         assert wait_until(lambda: health(command)["slots_in_use"] == 1, 30)
         streams = [pool.submit(stream_events, command, long) for _ in range(3)]
         wholes = [pool.submit(post, command, long) for _ in range(3)]
-        # 4 slots and 7 requests: 3 wait for 128 steps of the first ones, far past the drain
-        assert wait_until(lambda: health(command)["queue_depth"] >= 2, 30)
+        # 4 slots and 7 requests: 3 wait for 128 steps of the first ones, far past the drain;
+        # every one of them is in (running or queued) before the signal
+
+        def all_in():
+            h = health(command)
+            return h["slots_in_use"] + h["queue_depth"] >= 6 + (not short.done())
+        assert wait_until(all_in, 30)
         command.proc.send_signal(signal.SIGINT)
         time.sleep(0.3)
         refused = post(command, {"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=5)
