@@ -21,7 +21,9 @@
         programs compiled, compile time, prefill and decode tokens/s.
     autoxla serve PATH [--strategy fsdp] [--dtype bf16] [--bits 8|4] [--attention ...]
                  [--max-batch 8] [--max-prompt-tokens 512] [--max-tokens 256] [--max-queue 256]
-                 [--request-timeout 600] [--host 127.0.0.1] [--port 8000] [--model-name NAME]
+                 [--request-timeout 600] [--drain-seconds 30] [--max-body-bytes N]
+                 [--header-timeout 10] [--max-connections N] [--host 127.0.0.1] [--port 8000]
+                 [--model-name NAME]
         Load as generate does, compile every program the traffic can need (a progress bar),
         then serve /v1/completions, /v1/chat/completions (streaming or not), /v1/models,
         /health and /metrics with continuous batching (docs/serving.md).

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .sampling import uniform_per_row
+from .sampling import GREEDY_BELOW, uniform_per_row
 
 TOP_LOGPROBS = 5      # alternatives computed per token (a compiled size; OpenAI allows up to 20)
 TOP_K_LIMIT = 1024    # the largest top_k a row may ask (a compiled size)
@@ -81,7 +81,7 @@ def warp(scores: torch.Tensor, s: RowSettings) -> torch.Tensor:
     ``topk`` of ``TOP_K_LIMIT`` (exact; a larger k is refused where requests are checked);
     top-p finds each row's nucleus boundary by bisection over the probabilities (48 halvings
     of a masked sum: 25 ms for that batch), transformers' set up to the rounding of a sum."""
-    scores = scores / s.temperature.unsqueeze(1)
+    scores = scores / s.temperature.clamp(min=GREEDY_BELOW).unsqueeze(1)
     largest = torch.topk(scores, min(TOP_K_LIMIT, scores.shape[-1]), dim=-1).values
     k = s.top_k.clamp(min=1, max=largest.shape[-1]).unsqueeze(1)
     kth = largest.gather(1, k - 1)
@@ -111,7 +111,9 @@ def choose(logits: torch.Tensor, s: RowSettings, seen, counts, generated,
         return greedy
     noise = -torch.log(-torch.log(uniform_per_row(s.seed, generated, scores.shape[-1])))
     sampled = torch.argmax(warp(scores, s) + noise, dim=-1)
-    return torch.where(s.greedy, greedy, sampled)
+    # a temperature below GREEDY_BELOW is greedy (sampling.py); the server marks such rows
+    # greedy already, this keeps any other caller's scores finite and its tokens greedy
+    return torch.where(s.greedy | (s.temperature < GREEDY_BELOW), greedy, sampled)
 
 
 def logprobs(logits: torch.Tensor, token: torch.Tensor):

@@ -7,6 +7,8 @@ the sharding or the runtime's RNG state, and no RNG state needs to live on the d
 and seed are device data, so every step runs the same compiled program.
 
 Filters follow transformers' warpers in their order (temperature, then top-k, then top-p).
+
+A temperature below ``GREEDY_BELOW`` samples as temperature 0 does: greedily.
 """
 from __future__ import annotations
 
@@ -15,6 +17,14 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
+
+# Temperatures below this are greedy decoding (temperature 0, the limit they approach), as vLLM
+# treats them (its _SAMPLING_EPS). Dividing float32 logits by a tinier one breaks: 1e-38 is
+# subnormal and 1e-46 rounds to 0, so the scores become inf and NaN and their argmax is garbage
+# (token 1 every time, where 1e-30 still gave the greedy tokens). Below 1e-5 a logit gap of
+# 2e-4 already outweighs the Gumbel noise's whole range (about 20), so sampling there was
+# greedy anyway but for near-ties.
+GREEDY_BELOW = 1e-5
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -53,8 +63,10 @@ def gumbel(seed, step, rows: int, vocab: int) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: int | None,
                   top_p: torch.Tensor | None) -> torch.Tensor:
-    """transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, in order."""
-    scores = logits.float() / temperature
+    """transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, in order
+    (a temperature below ``GREEDY_BELOW`` divides as ``GREEDY_BELOW``: finite scores; the caller
+    takes the argmax for those rows)."""
+    scores = logits.float() / temperature.clamp(min=GREEDY_BELOW)
     if top_k is not None:
         k = min(top_k, scores.shape[-1])
         kth = torch.topk(scores, k, dim=-1).values[:, -1:]
@@ -74,7 +86,8 @@ def next_tokens(logits: torch.Tensor, sampler: "Sampler", step: torch.Tensor) ->
         return torch.argmax(logits, dim=-1)
     scores = filter_logits(logits, sampler.temperature, sampler.top_k, sampler.top_p)
     rows, vocab = scores.shape
-    return torch.argmax(scores + gumbel(sampler.seed, step, rows, vocab), dim=-1)
+    sampled = torch.argmax(scores + gumbel(sampler.seed, step, rows, vocab), dim=-1)
+    return torch.where(sampler.temperature < GREEDY_BELOW, torch.argmax(logits, dim=-1), sampled)
 
 
 @dataclass

@@ -85,6 +85,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._closing = False
         self._stopping = False
+        self._cut = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
 
@@ -116,15 +117,30 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="autoxla-scheduler", daemon=True)
         self._thread.start()
 
-    def stop(self, drain_seconds: float = 0.0) -> None:
-        """Take no new work; let what is queued or running finish for up to ``drain_seconds``,
-        then cancel the rest and end the loop."""
+    @property
+    def closing(self) -> bool:
+        """No new work is taken (the server is shutting down)."""
+        return self._closing
+
+    def close(self) -> None:
+        """Take no new work (``submit`` raises ShuttingDown); what is queued or running goes on."""
         with self._cv:
             self._closing = True
             self._cv.notify()
+
+    def cut(self) -> None:
+        """End ``stop``'s wait now: what is still queued or running is cancelled (a second
+        Ctrl-C)."""
+        self._cut.set()
+
+    def stop(self, drain_seconds: float = 0.0) -> None:
+        """Take no new work; let what is queued or running finish for up to ``drain_seconds``,
+        then cancel the rest (each sequence ends "abort") and end the loop."""
+        self.close()
         deadline = time.monotonic() + drain_seconds
-        while (self.waiting or self.live) and time.monotonic() < deadline and self._alive():
-            time.sleep(0.02)
+        while ((self.waiting or self.live) and time.monotonic() < deadline and self._alive()
+               and not self._cut.is_set()):
+            self._cut.wait(0.02)
         with self._cv:
             for seq in list(self.waiting) + [live.seq for live in self.live.values()]:
                 seq.cancel()
@@ -178,6 +194,12 @@ class Scheduler:
                 if not self.waiting or len(self.live) >= engine.slots:
                     return
                 seq = self.waiting[0]
+                dropped = seq.cancelled        # cancelled since the loop's last look: no prefill
+                if dropped:
+                    self.waiting.popleft()
+            if dropped:
+                self._finish(seq, "abort")
+                continue
             if engine.t + seq.max_tokens > engine.length and not self._make_room(seq):
                 return                      # it waits for live rows to finish (first come first)
             with self._cv:

@@ -1,17 +1,25 @@
 """``autoxla serve``'s server: OpenAI's completions and chat completions over the continuous-batching
-scheduler, with Starlette (routing, streaming) under uvicorn and Prometheus metrics.
+scheduler, with Starlette (routing, streaming) and Prometheus metrics; web.py runs it under
+uvicorn.
 
     Server(model, tokenizer, ServeConfig(...)).app()     # an ASGI app
-    serve(model, tokenizer, config, host, port)          # warm up, then uvicorn until stopped
 
-Every answer is JSON with a status code; a bad request is a 400 naming the field, a full queue a
-429 with Retry-After, a stopping server a 503, a request past its time a 504, and anything
-unexpected a 500 whose message says what failed, never a traceback.
+Every answer is JSON with a status code; a bad request is a 400 naming the field, a body over the
+limit a 413, an unknown model a 404, a full queue a 429 with Retry-After, a stopping server a 503,
+a request past its time a 504, and anything unexpected a 500 whose message says what failed,
+never a traceback.
+
+Nothing slow runs on the event loop: a large body is parsed and validated in a worker thread, and
+every prompt is tokenized in one, reading a long text only as far as the token limit needs
+(text.encode_within), so /health and the other clients' streams never wait for a big request.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import itertools
 import json
 import logging
@@ -22,18 +30,29 @@ from dataclasses import dataclass
 
 import pydantic
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import backend
+from ..generation.sampling import GREEDY_BELOW
 from ..saving import unwrap
 from .engine import Sampling, SlotEngine
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .scheduler import QueueFull, Scheduler, Sequence, ShuttingDown
+from .text import TooLong, encode_within
 
 logger = logging.getLogger("AutoXLA")
+
+
+# The default body limit's allowance per prompt token: generous (a token is 1 to 5 characters of
+# ordinary text, up to 6 bytes each as a JSON \u escape; a token id is at most 7 bytes with its
+# comma), so that no request the other limits accept is refused for its size.
+BODY_BYTES_PER_TOKEN = 16
+# JSON bodies larger than this are parsed and validated in a worker thread, not on the event loop.
+_THREAD_PARSE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -44,10 +63,21 @@ class ServeConfig:
     max_prompt_tokens: the longest prompt (its bucket: prompts are padded to powers of two from
         16 up to it, one prefill program each).
     max_tokens: the most new tokens one sequence may ask.
-    max_queue: sequences waiting for a slot before new requests get 429.
+    max_queue: sequences waiting for a slot before new requests get 429; a request of more
+        sequences than this (prompts x n) could never be admitted and is a 400.
     request_timeout: seconds a request may take, queue wait included (then 504, slot freed).
-    drain_seconds: on shutdown, how long running requests get to finish before they are cut.
+    drain_seconds: on shutdown (Ctrl-C, SIGTERM), how long running requests get to finish
+        before they are cut; new requests get 503 at once.
     default_max_tokens: for a completion that names no max_tokens (OpenAI's default is 16).
+    max_body_bytes: the largest request body (413 beyond it, refused before it is read); None:
+        ``BODY_BYTES_PER_TOKEN`` bytes per token of a full queue of the longest prompts
+        (``max_queue * max_prompt_tokens``), at least 1 MiB (``body_limit``).
+    header_timeout: seconds a connection may take to send a request's headers (from connecting,
+        or from the first byte of its next request) before it is closed; a pause as long inside
+        a body ends the request with 408.
+    max_connections: open connections served at once; a request on one more gets 503. None:
+        ``slots + max_queue + 64`` (every admitted or queued request, and room for health checks
+        and idle keep-alive connections; ``connection_limit``).
     """
 
     slots: int = 8
@@ -58,16 +88,36 @@ class ServeConfig:
     drain_seconds: float = 30.0
     default_max_tokens: int = 16
     model_name: str = "autoxla"
+    max_body_bytes: int | None = None
+    header_timeout: float = 10.0
+    max_connections: int | None = None
 
     def __post_init__(self):
         for name in ("slots", "max_prompt_tokens", "max_tokens", "max_queue",
-                     "default_max_tokens"):
+                     "default_max_tokens", "max_body_bytes", "max_connections"):
             value = getattr(self, name)
+            if value is None and name in ("max_body_bytes", "max_connections"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"serve: {name} must be a positive int, got {value!r}")
         for name in ("request_timeout", "drain_seconds"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"serve: {name} must be >= 0 seconds")
+        if not self.header_timeout > 0:
+            raise ValueError(f"serve: header_timeout must be > 0 seconds, got "
+                             f"{self.header_timeout!r}")
+
+    @property
+    def body_limit(self) -> int:
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return max(1 << 20, BODY_BYTES_PER_TOKEN * self.max_queue * self.max_prompt_tokens)
+
+    @property
+    def connection_limit(self) -> int:
+        if self.max_connections is not None:
+            return self.max_connections
+        return self.slots + self.max_queue + 64
 
     @property
     def prompt_buckets(self) -> tuple[int, ...]:
@@ -86,9 +136,19 @@ class ServeConfig:
 
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 headers: dict | None = None):
+                 headers: dict | None = None, code: str | int | None = None):
         super().__init__(message)
-        self.param, self.status, self.headers = param, status, headers or {}
+        self.param, self.status, self.headers, self.code = param, status, headers or {}, code
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: nobody to answer (recorded as 499, nginx's
+    "client closed request")."""
+
+
+# Sent with an answer given before the body was read whole (413, 408): the connection is closed
+# after it, so the rest of the body is neither read nor waited for.
+_CLOSE = {"Connection": "close"}
 
 
 class Server:
@@ -132,7 +192,14 @@ class Server:
         self.scheduler.start()
 
     def stop(self) -> None:
+        """Graceful: new requests get 503 at once; queued and running ones get
+        ``drain_seconds`` to finish; then the rest are cut (a stream ends with finish_reason
+        "abort", an error event and [DONE]; a whole answer is a 503) and the loop ends."""
         self.scheduler.stop(self.config.drain_seconds)
+
+    @property
+    def closing(self) -> bool:
+        return self.scheduler.closing
 
     # -- the app ---------------------------------------------------------------------------------
     def app(self) -> Starlette:
@@ -157,10 +224,18 @@ class Server:
             try:
                 response = await handler(request)
             except BadRequest as e:
-                response = error(e.status, str(e), e.param, e.headers)
+                response = error(e.status, str(e), e.param, e.headers, e.code)
+            except ClientGone:
+                response = Response(status_code=499)    # sent to no one
             except Exception as e:  # noqa: BLE001 - an answer, never a traceback
                 logger.exception("serving: %s failed", name)
                 response = error(500, f"internal error: {type(e).__name__}: {e}")
+            finally:
+                watch = getattr(request.state, "watch", None)
+                if watch is not None:      # a stream's disconnect is Starlette's to hear now
+                    watch.close()
+                if getattr(request.state, "large", False):
+                    asyncio.get_running_loop().run_in_executor(None, release_memory)
             self.metrics.answered(name, response.status_code)
             return response
         return endpoint
@@ -168,6 +243,8 @@ class Server:
     async def health(self, request: Request) -> Response:
         if self.scheduler.error is not None:
             return error(503, f"the generation loop stopped: {self.scheduler.error}")
+        if self.closing:
+            return error(503, "the server is shutting down")
         return JSONResponse({"status": "ok", "slots": self.config.slots,
                              "slots_in_use": len(self.scheduler.live),
                              "queue_depth": self.scheduler.queue_depth})
@@ -182,24 +259,22 @@ class Server:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     async def completions(self, request: Request) -> Response:
-        body = await parse(request, CompletionRequest)
-        prompts = self._completion_prompts(body)
+        body = await self._request(request, CompletionRequest)
+        p = body.prompt
+        self._check_count(1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p),
+                          body.n)
+        prompts = await run_in_threadpool(self._completion_prompts, body)
         return await self._answer(request, body, prompts, chat=False,
                                   max_tokens=body.max_tokens or self.config.default_max_tokens,
                                   logprobs=body.logprobs)
 
     async def chat(self, request: Request) -> Response:
-        body = await parse(request, ChatCompletionRequest)
+        body = await self._request(request, ChatCompletionRequest)
+        self._check_count(1, body.n)
         if not getattr(self.tokenizer, "chat_template", None):
             raise BadRequest("this model's tokenizer has no chat template: use /v1/completions",
                              "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - the template's own complaint, as a 400
-            raise BadRequest(f"the chat template refused these messages: {e}", "messages")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = await run_in_threadpool(self._chat_prompt, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:       # as vLLM: what the limits leave
             max_tokens = min(self.config.max_tokens, self._position_room(len(ids)))
@@ -210,7 +285,47 @@ class Server:
                                   logprobs=(top or 0) if body.logprobs else None)
 
     # -- one request -------------------------------------------------------------------------
+    async def _request(self, request: Request, model):
+        """The request's body as ``model``: refused at once while shutting down (503), past the
+        body limit (413) or for another model than this server's (404). From then on the
+        client's disconnect is watched (``request.state.watch``)."""
+        if self.closing:
+            raise BadRequest("the server is shutting down", status=503)
+        raw = await read_body(request, self.config.body_limit, self.config.header_timeout)
+        request.state.watch = _Watch(request)
+        if len(raw) > _THREAD_PARSE_BYTES:
+            request.state.large = True
+            body = await run_in_threadpool(parse, raw, model)
+        else:
+            body = parse(raw, model)
+        if body.model is not None and body.model != self.config.model_name:
+            raise BadRequest(f"the model `{body.model}` does not exist: this server serves "
+                             f"`{self.config.model_name}` (GET /v1/models)", "model", status=404,
+                             code="model_not_found")
+        return body
+
+    def _check_count(self, prompts: int, n: int) -> None:
+        """A request of more sequences than the queue holds could never be admitted: a 400, not
+        a 429 to retry forever."""
+        limit = self.config.max_queue
+        if prompts * n > limit:
+            raise BadRequest(f"this request asks for {prompts * n} sequences ({prompts} "
+                             f"prompt{'s' if prompts != 1 else ''} x n={n}), more than this "
+                             f"server's queue holds ({limit}, --max-queue): it could never be "
+                             "admitted; send fewer prompts or a smaller n", "n")
+
+    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        limit = self.config.max_prompt_tokens
+        try:
+            return encode_within(self.tokenizer, text, limit, add_special_tokens)
+        except TooLong as e:
+            where = ("the prompt has" if e.characters is None else
+                     f"the prompt's first {e.characters} characters already have")
+            raise BadRequest(f"{where} {e.tokens} tokens, more than this server's limit of "
+                             f"{limit} (--max-prompt-tokens)", param)
+
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The prompts' token ids (a worker thread: tokenizing is not for the event loop)."""
         p = body.prompt
         if isinstance(p, str):
             texts = [p]
@@ -224,16 +339,30 @@ class Server:
             raise BadRequest("prompt is empty", "prompt")
         out = []
         for text in texts:
-            ids = self.tokenizer(text)["input_ids"]
+            ids = self._encode(text, True, "prompt")
             if not ids:
                 raise BadRequest("prompt is empty: nothing to continue", "prompt")
             out.append(ids)
         return out
 
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The chat template applied and tokenized (a worker thread)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own complaint, as a 400
+            raise BadRequest(f"the chat template refused these messages: {e}", "messages")
+        return self._encode(text, False, "messages")
+
     def _check_ids(self, ids: list[int]) -> list[int]:
         vocab = self.engine.vocab
         if not ids or any(not 0 <= i < vocab for i in ids):
             raise BadRequest(f"prompt token ids must be in [0, {vocab}) and not empty", "prompt")
+        limit = self.config.max_prompt_tokens
+        if len(ids) > limit:
+            raise BadRequest(f"the prompt has {len(ids)} tokens, more than this server's "
+                             f"limit of {limit} (--max-prompt-tokens)", "prompt")
         return ids
 
     def _position_room(self, prompt: int) -> int:
@@ -244,11 +373,6 @@ class Server:
         bad = body.unsupported()
         if bad:
             raise BadRequest(f"{bad[0]} is not supported by this server; drop it", bad[0])
-        limit = self.config.max_prompt_tokens
-        for ids in prompts:
-            if len(ids) > limit:
-                raise BadRequest(f"the prompt has {len(ids)} tokens, more than this server's "
-                                 f"limit of {limit} (--max-prompt-tokens)", "prompt")
         if max_tokens < 1:
             raise BadRequest("the prompt leaves no room for an answer within the model's "
                              f"{self.max_positions} positions", "messages")
@@ -270,7 +394,7 @@ class Server:
             raise BadRequest(f"min_tokens={body.min_tokens} is more than max_tokens={max_tokens}",
                              "min_tokens")
         temperature = 1.0 if body.temperature is None else body.temperature
-        greedy = temperature == 0.0
+        greedy = temperature < GREEDY_BELOW         # 0, and what float32 cannot divide by
         base_seed = body.seed if body.seed is not None else self._random.randrange(2**31)
         eos = () if body.ignore_eos else self.eos_ids
         stop_ids = tuple(dict.fromkeys((*eos, *body.stop_token_ids)))
@@ -278,8 +402,8 @@ class Server:
         for i, ids in enumerate(prompts):
             for j in range(body.n):
                 sampling = Sampling(
-                    greedy=greedy, temperature=temperature or 1.0, top_k=max(body.top_k, 0),
-                    top_p=1.0 if body.top_p is None else body.top_p,
+                    greedy=greedy, temperature=1.0 if greedy else temperature,
+                    top_k=max(body.top_k, 0), top_p=1.0 if body.top_p is None else body.top_p,
                     seed=(base_seed + j) % 2**32, min_tokens=body.min_tokens,
                     repetition_penalty=body.repetition_penalty,
                     presence_penalty=body.presence_penalty,
@@ -299,6 +423,10 @@ class Server:
             return emit
 
         seqs = self._sequences(body, prompts, max_tokens, emit_for, logprobs is not None)
+        watch = request.state.watch
+        if watch.gone:                 # gone while its prompt was read: never queued
+            raise ClientGone
+        watch.on_gone = lambda: _cancel(self.scheduler, seqs)    # queued or running: freed
         try:
             self.scheduler.submit(seqs)
         except QueueFull as e:
@@ -308,9 +436,37 @@ class Server:
             raise BadRequest(str(e), status=503)
         reply = _Reply(self, body, seqs, chat, logprobs)
         if body.stream:
-            return StreamingResponse(reply.stream(events, request), media_type="text/event-stream",
+            return StreamingResponse(reply.stream(events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await reply.whole(events, request)
+        return await reply.whole(events, watch)
+
+
+def _cancel(scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        if seq.finish_reason is None:
+            seq.cancel()
+    scheduler.wake()
+
+
+class _Watch:
+    """Listens for the client's disconnect once its body is read (uvicorn reports it as the next
+    ASGI message): ``gone``, and ``on_gone`` called. A whole answer's client is heard only this
+    way while its sequences wait or run, so its slots are freed at once, as a stream's are."""
+
+    def __init__(self, request: Request):
+        self.gone = False
+        self.on_gone = None
+        self._task = asyncio.ensure_future(self._run(request.receive))
+
+    async def _run(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self.on_gone is not None:
+            self.on_gone()
+
+    def close(self) -> None:
+        self._task.cancel()
 
 
 class _Reply:
@@ -326,34 +482,34 @@ class _Reply:
         self.deadline = time.monotonic() + server.config.request_timeout
 
     def cancel(self) -> None:
-        for seq in self.seqs:
-            if seq.finish_reason is None:
-                seq.cancel()
-        self.server.scheduler.wake()
+        _cancel(self.server.scheduler, self.seqs)
 
-    async def _events(self, events: asyncio.Queue, request: Request):
-        """Yield (index, kind, payload) until every sequence is done; a client gone or the
-        deadline passed cancels the rest (TimeoutError for the latter)."""
+    def _cut_by_shutdown(self, reasons) -> bool:
+        return "abort" in reasons and self.server.closing
+
+    def _shutdown_message(self) -> str:
+        return (f"the server shut down before this request finished (running requests get "
+                f"{self.server.config.drain_seconds:g} s, --drain-seconds)")
+
+    async def _events(self, events: asyncio.Queue):
+        """Yield (index, kind, payload) until every sequence is done; past the deadline the
+        rest are cancelled and TimeoutError raised."""
         done = 0
         while done < len(self.seqs):
             try:
-                item = await asyncio.wait_for(events.get(), timeout=0.25)
+                item = await asyncio.wait_for(events.get(),
+                                              timeout=max(0.0, self.deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.cancel()
-                    return
-                if time.monotonic() > self.deadline:
-                    self.cancel()
-                    raise TimeoutError
-                continue
+                self.cancel()
+                raise TimeoutError
             if item[1] == "done":
                 done += 1
             yield item
 
-    async def whole(self, events, request) -> Response:
+    async def whole(self, events, watch: _Watch) -> Response:
         reasons = [None] * len(self.seqs)
         try:
-            async for index, kind, payload in self._events(events, request):
+            async for index, kind, payload in self._events(events):
                 if kind == "token":
                     self.texts[index] += payload.text
                     self.tokens[index].append(payload)
@@ -365,9 +521,13 @@ class _Reply:
         except asyncio.CancelledError:
             self.cancel()
             raise
+        if watch.gone:
+            raise ClientGone
         if any(r == "error" for r in reasons):
             why = self.server.scheduler.error or "see the server's log"
             raise BadRequest(f"generation failed: {why}", status=500)
+        if self._cut_by_shutdown(reasons):
+            raise BadRequest(self._shutdown_message(), status=503)
         choices = [self._choice(i, self.texts[i], self.tokens[i], reasons[i], whole=True)
                    for i in range(len(self.seqs))]
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else
@@ -375,23 +535,35 @@ class _Reply:
                              "model": self.server.config.model_name, "choices": choices,
                              "usage": self._usage()})
 
-    async def stream(self, events, request):
+    async def stream(self, events):
+        """The chunks; a client gone mid-stream is Starlette's to hear (it cancels this
+        generator, whose ``finally`` frees the slots)."""
         first = [True] * len(self.seqs)
+        reasons = [None] * len(self.seqs)
         try:
-            async for index, kind, payload in self._events(events, request):
+            async for index, kind, payload in self._events(events):
                 if kind == "token":
                     self.tokens[index].append(payload)
                     self.texts[index] += payload.text
                     choice = self._choice(index, payload.text, [payload], None, whole=False,
                                           first=first[index])
                 else:
+                    reasons[index] = payload
                     choice = self._choice(index, "", [], payload, whole=False,
                                           first=first[index])
                 first[index] = False
                 yield self._chunk([choice])
-            options = self.body.stream_options
-            if options is not None and options.include_usage:
-                yield self._chunk([], usage=self._usage())
+            if self._cut_by_shutdown(reasons):
+                yield "data: " + json.dumps(error_body(self._shutdown_message(), None,
+                                                       503)) + "\n\n"
+            elif "error" in reasons:
+                why = self.server.scheduler.error or "see the server's log"
+                yield "data: " + json.dumps(error_body(f"generation failed: {why}", None,
+                                                       500)) + "\n\n"
+            else:
+                options = self.body.stream_options
+                if options is not None and options.include_usage:
+                    yield self._chunk([], usage=self._usage())
         except TimeoutError:
             yield "data: " + json.dumps(error_body(
                 f"the request took longer than the server's "
@@ -442,33 +614,92 @@ class _Reply:
                 "total_tokens": prompt + completion}
 
 
-async def parse(request: Request, model):
-    """The request's JSON body as ``model``, or a 400 naming what is wrong."""
-    raw = await request.body()
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request's body, refused (413) as soon as it is known to pass ``limit`` bytes: from
+    its Content-Length before a byte of it is read, else (chunked) while the chunks are counted;
+    a pause of ``timeout`` seconds between two chunks is a 408. Both close the connection.
+
+    Starlette's own limit (``Route(max_body_size=...)``) answers any response to such a request
+    with its plain-text 413; every error here is JSON, so the same two checks are made here."""
+    too_large = BadRequest(f"the request body is larger than this server's limit of {limit} "
+                           "bytes (--max-body-bytes)", status=413, headers=_CLOSE)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    while True:
+        try:
+            message = await asyncio.wait_for(request.receive(), timeout)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"the request body stalled: nothing arrived for {timeout:g} s "
+                             "(--header-timeout)", status=408, headers=_CLOSE)
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise too_large
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+def parse(raw: bytes, model):
+    """``raw`` as ``model`` (JSON parsed and validated by pydantic in strict mode), or a 400
+    naming the field and what is wrong with it."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the body is not valid JSON: {e}")
-    if not isinstance(data, dict):
-        raise BadRequest("the body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except pydantic.ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
+        first = e.errors(include_url=False)[0]
         kind = first["type"]
-        message = ("unknown field" if kind == "extra_forbidden" else first["msg"])
+        if kind == "json_invalid":
+            why = first["ctx"]["error"] if "ctx" in first else first["msg"]
+            hint = (": a \\ud800-\\udfff escape must be half of a surrogate pair (text must be "
+                    "valid Unicode)" if "surrogate" in why or "hex escape" in why else "")
+            raise BadRequest(f"the body is not valid JSON: {why}{hint}")
+        if kind == "model_type" and not first["loc"]:
+            raise BadRequest("the body must be a JSON object")
+        field = ".".join(str(p) for p in first["loc"]) or None
+        if kind == "extra_forbidden":
+            message = "unknown field"
+        else:
+            message = first["msg"].replace("Input should be", "must be")
+            if "input" in first and kind != "missing":
+                message += f" (got {_brief(first['input'])})"
         raise BadRequest(f"{field}: {message}" if field else message, field)
 
 
-def error_body(message: str, param: str | None, status: int) -> dict:
-    kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable",
+def _brief(value) -> str:
+    text = json.dumps(value) if not isinstance(value, (bytes, bytearray)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def error_body(message: str, param: str | None, status: int,
+               code: str | int | None = None) -> dict:
+    kind = {400: "invalid_request_error", 404: "invalid_request_error", 408: "timeout",
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable",
             504: "timeout"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": status if code is None else code}}
 
 
-def error(status: int, message: str, param: str | None = None, headers: dict | None = None):
-    return JSONResponse(error_body(message, param, status), status_code=status, headers=headers)
+def error(status: int, message: str, param: str | None = None, headers: dict | None = None,
+          code: str | int | None = None):
+    return JSONResponse(error_body(message, param, status, code), status_code=status,
+                        headers=headers)
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name) if name else None
+
+
+def release_memory() -> None:
+    """Hand the heap a large request freed back to the system: glibc keeps the pages of the
+    worker threads' arenas otherwise (a 1 MB body's JSON and tokens kept ~100 MB of RSS after
+    it was answered; malloc_trim returns them). Elsewhere than glibc, nothing."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def eos_token_ids(hf) -> tuple[int, ...]:
@@ -485,45 +716,3 @@ def torch_ids(length: int):
     import torch
 
     return torch.ones(length, dtype=torch.int64)
-
-
-class Background:
-    """A Server's app listening in a thread of this process (notebooks, tests, benchmarks):
-    ``url`` is its base (``.../v1`` for the openai client), ``stop()`` ends it gracefully."""
-
-    def __init__(self, server: Server, host: str = "127.0.0.1", port: int | None = None):
-        import socket
-        import threading
-
-        import uvicorn
-
-        if port is None:                     # a free port, picked by the system
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        self._web = uvicorn.Server(uvicorn.Config(server.app(), host=host, port=port,
-                                                  log_level="warning"))
-        self._thread = threading.Thread(target=self._web.run, daemon=True)
-        self._thread.start()
-        while not self._web.started:
-            if not self._thread.is_alive():
-                raise OSError(f"the server could not listen on {host}:{port}")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._web.should_exit = True
-        self._thread.join(timeout=120)
-
-
-def serve(model, tokenizer, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000,
-          progress: bool = True) -> None:
-    """Warm up (every program compiled, with a progress bar), then serve until interrupted."""
-    import uvicorn
-
-    server = Server(model, tokenizer, config)
-    compiled = server.warm_up(progress=progress)
-    print(f"AutoXLA: {compiled} programs compiled; serving {config.model_name} on "
-          f"http://{host}:{port}/v1 ({config.slots} slots)", flush=True)
-    uvicorn.run(server.app(), host=host, port=port, log_level="warning",
-                timeout_graceful_shutdown=max(1, int(config.drain_seconds)))

@@ -1,4 +1,5 @@
-"""Token ids to text as they arrive: what each new token adds, and where a stop string ends it.
+"""Text to token ids within a limit (``encode_within``), and token ids to text as they arrive: what
+each new token adds, and where a stop string ends it.
 
 Decoding a token alone is wrong for most tokenizers (a word-piece's leading space, a character
 split over byte tokens), so the whole output is decoded again and the new text is what grew; a
@@ -7,6 +8,46 @@ A stop string ends the text before it (OpenAI's rule: the stop string is not ret
 the output's end could still become one, those characters are held back too.
 """
 from __future__ import annotations
+
+# A prompt longer than this many characters per allowed token is first tokenized on a prefix of
+# that length: ordinary text has 1 (CJK, digits) to 5 (English) characters per token, so the
+# prefix alone already holds more tokens than allowed and the rest is never read.
+CHARS_PER_TOKEN = 16
+
+
+class TooLong(ValueError):
+    """More tokens than allowed: ``tokens`` counted, in the first ``characters`` characters (None:
+    in the whole text)."""
+
+    def __init__(self, tokens: int, characters: int | None = None):
+        super().__init__(f"{tokens} tokens")
+        self.tokens, self.characters = tokens, characters
+
+
+def encode_within(tokenizer, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids, or ``TooLong`` if there are more than ``limit``, reading a long text
+    only as far as needed: a prefix of ``CHARS_PER_TOKEN * (limit + 1)`` characters, cut where a
+    word ends before whitespace, is tokenized first, and if it already has more than ``limit``
+    tokens the text is refused without tokenizing the rest.
+
+    The prefix's count is a lower bound of the whole text's for tokenizers that split words at
+    whitespace before merging (byte-level BPE, SentencePiece): no token spans that cut, so the
+    prefix's tokens are the text's first tokens. A text with no such cut in the prefix's second
+    half (one giant word, a run of spaces) is tokenized whole: exact, and bounded by the body
+    limit."""
+    window = CHARS_PER_TOKEN * (limit + 1)
+    if len(text) > window:
+        cut = window
+        while cut > window // 2 and not (text[cut].isspace() and not text[cut - 1].isspace()):
+            cut -= 1
+        if cut > window // 2:
+            ids = tokenizer(text[:cut], add_special_tokens=add_special_tokens)["input_ids"]
+            if len(ids) > limit:
+                raise TooLong(len(ids), cut)
+    ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    if len(ids) > limit:
+        raise TooLong(len(ids))
+    return ids
 
 
 class Detokenizer:

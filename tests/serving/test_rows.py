@@ -148,3 +148,24 @@ def test_warpers_equal_transformers_on_many_random_rows():
             expected = TopPLogitsWarper(ps[r])(None, expected)
         assert torch.equal(torch.isinf(got[r]), torch.isinf(expected[0])), (r, temps[r], ks[r],
                                                                             ps[r])
+
+
+def test_tiny_temperatures_choose_the_greedy_tokens():
+    """Issue 43 item 9, in the sampling math itself (the server's rows and generate's sampler):
+    logits / 1e-38 or / 1e-46 (0 in float32) are inf and NaN, and their argmax was garbage;
+    below GREEDY_BELOW a temperature picks the argmax, as temperature 0 does."""
+    from AutoXLA.generation.sampling import GREEDY_BELOW, Sampler, next_tokens
+
+    logits = logits_of(9)
+    ids, seen, counts = history()
+    tiny = [1e-38, 1e-46, GREEDY_BELOW / 2]
+    s = settings(greedy=[False] * 3, temperature=tiny, top_k=[0, 40, 0], top_p=[1.0, 1.0, 0.9],
+                 seed=[3, 4, 5])
+    picked = rows.choose(logits, s, torch.zeros_like(seen), torch.zeros_like(counts),
+                         torch.tensor([1, 2, 3]))
+    assert picked.tolist() == logits.argmax(-1).tolist()
+    for temperature in tiny:
+        sampler = Sampler(True, 40, torch.tensor(temperature, dtype=torch.float32),
+                          torch.tensor(0.9), torch.tensor(5))
+        assert next_tokens(logits, sampler, torch.tensor(2)).tolist() == \
+            logits.argmax(-1).tolist()

@@ -7,6 +7,7 @@ transformers' own processors, and no program may compile once the server is warm
 import concurrent.futures
 import json
 import socket
+import threading
 import time
 
 import httpx2 as httpx   # the HTTP client the openai package itself uses
@@ -42,6 +43,10 @@ def served(chat_checkpoint, xla_devices):
     ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
     refs["sampled"] = new_ids(model.generate(input_ids=ids, max_new_tokens=16, do_sample=True,
                                              **SAMPLED), ids)
+    # the same program, at a temperature float32 cannot divide by (issue 43 item 9)
+    refs["tiny_temperature"] = new_ids(model.generate(
+        input_ids=ids, max_new_tokens=16, do_sample=True, **{**SAMPLED, "temperature": 1e-38}),
+        ids)
     server = Server(model, tokenizer, ServeConfig(slots=8, max_prompt_tokens=64, max_tokens=32,
                                                   max_queue=24, model_name="tiny"))
     server.warm_up(progress=False)
@@ -132,6 +137,14 @@ def test_seeded_sampling_equals_generate_and_repeats(served):
     assert two.choices[0].text == first.choices[0].text    # choice j draws with seed + j
     other = api.completions.create(**{**kwargs, "seed": 1235})
     assert two.choices[1].text == other.choices[0].text
+
+
+def test_generate_at_a_tiny_temperature_is_greedy(served):
+    """Issue 43 item 9, in model.generate: do_sample=True at temperature 1e-38 returned token 1
+    every time (logits / 1e-38 overflow float32); below 1e-5 it is greedy."""
+    refs = served[3]
+    greedy = refs[PROMPTS[0]]
+    assert refs["tiny_temperature"][:len(greedy)] == greedy
 
 
 def test_stop_strings_end_the_text_before_them(served):
@@ -300,6 +313,66 @@ def test_a_client_that_disconnects_frees_its_slot(served):
     assert wait_for_idle(server, 5.0)
     assert aborted._value.get() == before + 1
     assert seq.finish_reason == "abort" and len(seq.tokens) < 32
+
+
+class FastScheduler:
+    """Stands in for the scheduler: every sequence gets a token every 10 ms until it is
+    cancelled (then "abort") or 3 s have passed ("length"). Tokens faster than any real step
+    here, so that a disconnect must be heard while they flow."""
+
+    closing, error, queue_depth, live = False, None, 0, {}
+
+    def __init__(self):
+        self.seqs = []
+
+    def submit(self, seqs):
+        self.seqs += seqs
+        threading.Thread(target=self._run, args=(seqs,), daemon=True).start()
+
+    def wake(self):
+        pass
+
+    def _run(self, seqs):
+        from AutoXLA.serving.scheduler import Token
+
+        for _ in range(300):
+            if all(seq.cancelled for seq in seqs):
+                break
+            for seq in seqs:
+                if seq.finish_reason is None and not seq.cancelled:
+                    seq.tokens.append(5)
+                    seq.emit("token", Token(5, "x", -1.0, []))
+            time.sleep(0.01)
+        for seq in seqs:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort" if seq.cancelled else "length"
+                seq.emit("done", seq.finish_reason)
+
+
+def test_a_whole_request_whose_client_hangs_up_is_cancelled_while_tokens_flow(served):
+    """Issue 43 item 11: a non-stream request's disconnect was checked only when no token had
+    come for 0.25 s, so a running request was heard only when it ended; now at once."""
+    url, server = served[:2]
+    real, fake = server.scheduler, FastScheduler()
+    server.scheduler = fake
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 32,
+                           "temperature": 0}).encode()
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            deadline = time.monotonic() + 10
+            while not (fake.seqs and fake.seqs[0].tokens) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert fake.seqs and fake.seqs[0].tokens
+        seq = fake.seqs[0]
+        deadline = time.monotonic() + 2
+        while not seq.cancelled and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seq.cancelled, f"still running after {len(seq.tokens)} tokens"
+    finally:
+        server.scheduler = real
 
 
 def test_a_request_past_its_time_answers_504_and_frees_its_slot(served):
