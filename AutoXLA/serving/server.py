@@ -614,10 +614,23 @@ class _Reply:
                 "total_tokens": prompt + completion}
 
 
+# A refused body is read on and thrown away, up to these bounds, before the 413 is sent.
+DISCARD_BYTES = 1 << 30
+DISCARD_SECONDS = 5.0
+
+
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The request's body, refused (413) as soon as it is known to pass ``limit`` bytes: from
-    its Content-Length before a byte of it is read, else (chunked) while the chunks are counted;
+    its Content-Length before a byte of it is kept, else (chunked) while the chunks are counted;
     a pause of ``timeout`` seconds between two chunks is a 408. Both close the connection.
+
+    Most clients (Python's http.client, httpx and so the openai client) send a whole body before
+    they read an answer, and the close that follows an answer sent while they are still writing
+    resets their connection: they would see "connection reset", not the 413. So, as nginx's
+    lingering close does, the rest of a refused body is received and dropped (nothing is kept;
+    other requests go on meanwhile) for at most ``DISCARD_BYTES`` or ``DISCARD_SECONDS``, then
+    the 413 is sent. A client that sent ``Expect: 100-continue`` has sent no body yet: it is
+    answered at once, and never sends it.
 
     Starlette's own limit (``Route(max_body_size=...)``) answers any response to such a request
     with its plain-text 413; every error here is JSON, so the same two checks are made here."""
@@ -625,6 +638,8 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
                            "bytes (--max-body-bytes)", status=413, headers=_CLOSE)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
+        if request.headers.get("expect", "").lower() != "100-continue":
+            await _discard_body(request)
         raise too_large
     body = bytearray()
     while True:
@@ -637,9 +652,30 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
             raise ClientGone
         body += message.get("body", b"")
         if len(body) > limit:
+            del body
+            if message.get("more_body", False):
+                await _discard_body(request)
             raise too_large
         if not message.get("more_body", False):
             return bytes(body)
+
+
+async def _discard_body(request: Request) -> None:
+    """Receive what is left of the body and drop it, within DISCARD_BYTES and DISCARD_SECONDS."""
+    deadline, dropped = time.monotonic() + DISCARD_SECONDS, 0
+    while dropped < DISCARD_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(request.receive(), left)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def parse(raw: bytes, model):

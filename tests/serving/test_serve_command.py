@@ -81,9 +81,11 @@ def connect(command, timeout=10.0) -> socket.socket:
     return s
 
 
-def head(length=None, chunked=False, path="/v1/completions") -> bytes:
+def head(length=None, chunked=False, path="/v1/completions", expect=False) -> bytes:
     lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
     lines.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}")
+    if expect:
+        lines.append("Expect: 100-continue")
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
@@ -224,13 +226,23 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(command):
     the limit and its option, before the rest is sent; a chunked one as soon as its chunks pass
     the limit; /health answers while a slow upload is in progress; and a prompt whose first
     characters already exceed the token limit is refused without tokenizing the rest."""
-    with connect(command) as s:                      # declared: refused on the headers
-        s.sendall(head(50_000_000) + b'{"model": "tiny", "prompt": "' + b"x" * 65536)
+    with connect(command) as s:                      # declared, Expect: refused on the headers
+        s.sendall(head(50_000_000, expect=True))
         status, headers, body = read_response(s)
         assert status == 413, body
         error = json.loads(body)["error"]
         assert str(BODY_LIMIT) in error["message"] and "--max-body-bytes" in error["message"]
         assert headers.get("connection") == "close" and closed_by_server(s, 5)
+    # A client that writes its whole body before reading (http.client, httpx, the openai client)
+    # reads the 413 too: the server drops the rest of the body instead of resetting the
+    # connection under the client's write (before, "connection reset by peer").
+    import http.client
+    client = http.client.HTTPConnection("127.0.0.1", command.port, timeout=30)
+    client.request("POST", "/v1/completions", body=b'{"model": "tiny", "prompt": "'
+                   + b"x" * 50_000_000 + b'"}', headers={"Content-Type": "application/json"})
+    answer = client.getresponse()
+    assert answer.status == 413 and "--max-body-bytes" in json.loads(answer.read())["error"]["message"]
+    client.close()
     with connect(command) as s:                      # chunked: refused once past the limit
         s.sendall(head(chunked=True))
         chunk = b"x" * (256 * 1024)
