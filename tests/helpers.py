@@ -171,3 +171,35 @@ def generate_on_device(model, ids, mask, **kwargs):
 
     dev = backend.device()
     return model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **kwargs).cpu()
+
+
+def assert_greedy_like(reference, model, ids, mask, what: str, new_tokens: int = 6) -> None:
+    """``model.generate``'s greedy tokens equal transformers' ``reference`` on the same padded
+    rows (no EOS, so every row runs ``new_tokens``)."""
+    from AutoXLA import backend
+
+    args = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    expected = reference.generate(input_ids=ids, attention_mask=mask, **args)
+    dev = backend.device()
+    got = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
+    assert torch.equal(got, expected), f"{what}: {got.tolist()}"
+
+
+def left_padded_training_batch():
+    """(ids, mask, labels): a full row and a row with 3 left pads, the pads' labels masked. The
+    last pad predicts the first real token, so a pad row's attention output is in the loss."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+                        [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    mask = (ids != 0).long()
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def eager_loss_and_q_proj_grad(reference, ids, mask, labels):
+    """transformers' (eager) loss on the batch and d loss / d layer 0's q_proj weight, leaving
+    the shared reference model without gradients for the tests after."""
+    reference.zero_grad(set_to_none=True)
+    loss = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    grad = reference.model.layers[0].self_attn.q_proj.weight.grad
+    reference.zero_grad(set_to_none=True)
+    return loss.detach(), grad

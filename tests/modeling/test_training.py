@@ -6,7 +6,7 @@ import torch
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 
-from ..helpers import assert_close
+from ..helpers import assert_close, eager_loss_and_q_proj_grad, left_padded_training_batch
 
 # Loss is a mean of log-softmax terms in fp32; the same reordering argument as for logits
 # (tests/helpers.py) gives errors ~1e-6 on a loss of ~5; 1e-4 leaves margin.
@@ -102,16 +102,8 @@ def test_left_padded_loss_equals_transformers_under_splash(checkpoints, referenc
     # each other (segment ids), and gave a row with no key zeros (here 6.5208 against 6.5884).
     # 2d with splash: off a TPU the portable blockwise path, 4-token blocks so that the
     # 3 pads and the real tokens fall in different blocks.
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
-                        [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
-    mask = (ids != 0).long()
-    labels = ids.masked_fill(mask == 0, -100)
-    reference = reference_models("llama")
-    reference.zero_grad(set_to_none=True)
-    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
-    expected.backward()
-    want_grad = reference.model.layers[0].self_attn.q_proj.weight.grad
-    reference.zero_grad(set_to_none=True)     # the session's reference model, for later tests
+    ids, mask, labels = left_padded_training_batch()
+    expected, want_grad = eager_loss_and_q_proj_grad(reference_models("llama"), ids, mask, labels)
     model = _load(checkpoints, "2d", gc=False, attn_implementation="splash_attention",
                   attention_config={"sa_block_q": 4, "sa_block_kv": 4})
     dev = backend.device()

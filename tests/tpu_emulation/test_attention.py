@@ -17,7 +17,8 @@ from AutoXLA.attention import KERNELS, tpu
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.testing.tiny import available_families
 from tests.conftest import reference_loader
-from tests.helpers import assert_close, embeds_and_q_proj_grads
+from tests.helpers import (assert_close, assert_greedy_like, eager_loss_and_q_proj_grad,
+                           embeds_and_q_proj_grads, left_padded_training_batch)
 
 FAMILIES = available_families()
 GRAD_FRACTION_OF_MAX, GRAD_RTOL = 2e-5, 1e-4
@@ -91,14 +92,7 @@ def test_family_forward_gradients_and_greedy_in_the_scanned_stack(
         assert "xla_flash_attention has no sliding window or logit soft-cap" in caplog.text
         return
 
-    weights = torch.randn(*ids.shape, reference.config.vocab_size,
-                          generator=torch.Generator().manual_seed(0)) * mask[..., None]
-    expected_g = embeds_and_q_proj_grads(reference, ids, mask, weights, "cpu")
-    got_g = embeds_and_q_proj_grads(model, ids, mask, weights, dev)
-    for what, g, e in (("d/d embeds", got_g[0][valid], expected_g[0][valid]),
-                       ("d/d q_proj", got_g[1], expected_g[1])):
-        assert_close(g, e, GRAD_FRACTION_OF_MAX * e.abs().max().item(), GRAD_RTOL,
-                     f"{family}/{kernel} {what}")
+    _assert_grads_like(reference, model, ids, mask, f"{family}/{kernel}")
 
     # Greedy tokens: the kernel runs in the prefill; decoding over the static cache takes the
     # portable path (one query against a cache is not a shape either kernel takes). The prefill
@@ -106,10 +100,7 @@ def test_family_forward_gradients_and_greedy_in_the_scanned_stack(
     # soft-capped one are enough (each generate compiles two more programs).
     if family not in GREEDY:
         return
-    args = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    expected_t = reference.generate(input_ids=ids, attention_mask=mask, **args)
-    got_t = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
-    assert torch.equal(got_t, expected_t), f"{family}/{kernel}: {got_t.tolist()}"
+    assert_greedy_like(reference, model, ids, mask, f"{family}/{kernel}")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -254,10 +245,7 @@ def test_gqa_heads_that_do_not_divide_the_model_axis(strategy, kernel, gqa_six_t
         return
     # Generation: the prefill runs the kernel, decoding the portable path over the static cache.
     ids, mask = _rows(3)
-    args = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    expected_t = reference.generate(input_ids=ids, attention_mask=mask, **args)
-    got_t = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
-    assert torch.equal(got_t, expected_t), f"{kernel}/{strategy}: {got_t.tolist()}"
+    assert_greedy_like(reference, model, ids, mask, f"{kernel}/{strategy}")
 
 
 def test_kv_heads_repeated_fewer_times_than_the_group(tmp_path, kernel_calls, xla_devices):
@@ -276,28 +264,37 @@ def test_kv_heads_repeated_fewer_times_than_the_group(tmp_path, kernel_calls, xl
                                                      attn_implementation="eager").eval()
     model = _load(path, "splash_attention", strategy="2d")
     ids, mask = _rows(4)
-    dev = backend.device()
-    with torch.no_grad():
-        got = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu()
-    expected = reference(input_ids=ids, attention_mask=mask).logits.detach()
-    valid = mask.bool()
-    assert_close(got[valid], expected[valid], what="12/3 heads on model=2 logits")
+    _assert_logits_like(reference, model, ids, mask, "12/3 heads on model=2 logits")
     assert kernel_calls["splash_attention"]
     heads = model.autoxla_plan.layer_attention.heads
     assert (heads.axes, heads.kv_repeat) == (("model",), 2)
 
+    _assert_grads_like(reference, model, ids, mask, "12/3 heads on model=2")
+
+    assert_greedy_like(reference, model, ids, mask, "12/3 heads on model=2")
+
+
+def _assert_grads_like(reference, model, ids, mask, what):
+    """d/d embeddings (at the real positions) and d/d layer 0's q_proj of a random weighting of
+    the logits equal transformers' (this file's gradient tolerances)."""
     weights = torch.randn(*ids.shape, reference.config.vocab_size,
                           generator=torch.Generator().manual_seed(0)) * mask[..., None]
-    expected_g = embeds_and_q_proj_grads(reference, ids, mask, weights, "cpu")
-    got_g = embeds_and_q_proj_grads(model, ids, mask, weights, dev)
-    for what, g, e in (("d/d embeds", got_g[0][valid], expected_g[0][valid]),
-                       ("d/d q_proj", got_g[1], expected_g[1])):
-        assert_close(g, e, GRAD_FRACTION_OF_MAX * e.abs().max().item(), GRAD_RTOL, what)
+    expected = embeds_and_q_proj_grads(reference, ids, mask, weights, "cpu")
+    got = embeds_and_q_proj_grads(model, ids, mask, weights, backend.device())
+    valid = mask.bool()
+    for part, g, e in (("d/d embeds", got[0][valid], expected[0][valid]),
+                       ("d/d q_proj", got[1], expected[1])):
+        assert_close(g, e, GRAD_FRACTION_OF_MAX * e.abs().max().item(), GRAD_RTOL,
+                     f"{what} {part}")
 
-    args = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    expected_t = reference.generate(input_ids=ids, attention_mask=mask, **args)
-    got_t = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
-    assert torch.equal(got_t, expected_t), got_t.tolist()
+
+def _assert_logits_like(reference, model, ids, mask, what):
+    """The model's logits equal transformers' at the real (unpadded) positions."""
+    with torch.no_grad():
+        got = model(input_ids=ids.to(backend.device()), attention_mask=mask.to(backend.device()))
+    expected = reference(input_ids=ids, attention_mask=mask).logits.detach()
+    valid = mask.bool()
+    assert_close(got.logits.cpu()[valid], expected[valid], what=what)
 
 
 def test_gemma2_fixture_under_2d(four_layers, kernel_calls, xla_devices):
@@ -306,18 +303,10 @@ def test_gemma2_fixture_under_2d(four_layers, kernel_calls, xla_devices):
     ids, mask = _rows(2)
     reference = reference_loader(four_layers)("gemma2")
     model = _load(four_layers["gemma2"], "splash_attention", strategy="2d")
-    dev = backend.device()
-    with torch.no_grad():
-        got = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.cpu()
-    expected = reference(input_ids=ids, attention_mask=mask).logits.detach()
-    valid = mask.bool()
-    assert_close(got[valid], expected[valid], what="gemma2/splash/2d logits")
+    _assert_logits_like(reference, model, ids, mask, "gemma2/splash/2d logits")
     assert len(kernel_calls["splash_attention"]) == model.autoxla_plan.stack.group
     assert model.autoxla_plan.layer_attention.heads.kv_repeat == 2
-    args = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    expected_t = reference.generate(input_ids=ids, attention_mask=mask, **args)
-    got_t = model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **args).cpu()
-    assert torch.equal(got_t, expected_t), got_t.tolist()
+    assert_greedy_like(reference, model, ids, mask, "gemma2/splash/2d")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -329,16 +318,8 @@ def test_left_padded_training_loss_and_gradients_equal_eager(kernel, checkpoints
     # key). The last pad predicts the first real token, so the loss reads it even with the pads'
     # labels masked. AutoXLA puts eager's rows there after the call (attention/hf.py). Loss
     # tolerance: tests/modeling/test_training.py's; gradients: this file's.
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
-                        [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
-    mask = (ids != 0).long()
-    labels = ids.masked_fill(mask == 0, -100)
-    reference = reference_models("llama")
-    reference.zero_grad(set_to_none=True)
-    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
-    expected.backward()
-    want = reference.model.layers[0].self_attn.q_proj.weight.grad
-    reference.zero_grad(set_to_none=True)
+    ids, mask, labels = left_padded_training_batch()
+    expected, want = eager_loss_and_q_proj_grad(reference_models("llama"), ids, mask, labels)
     model = _load(checkpoints["llama"], kernel, strategy="2d")
     model.train()
     dev = backend.device()
