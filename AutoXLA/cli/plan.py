@@ -11,7 +11,8 @@ import json
 import sys
 
 from ..attention import IMPLEMENTATIONS, AttentionConfig
-from ..modeling.from_config import meta_model, plan_for_mesh
+from ..modeling.from_config import meta_model
+from ..modeling.pipeline import plan_for_mesh
 from ..planning import plot
 from ..planning import request as forecast_request
 from ..planning.communication import communication

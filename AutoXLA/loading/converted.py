@@ -22,7 +22,7 @@ import torch
 
 from ..sharding import hosts
 from .checkpoint import TensorRecord
-from .streaming import shard_grid_tensors
+from .streaming import read_blocks
 
 # The converter operations whose result is a placement of whole pieces (no arithmetic).
 _SUPPORTED = {("MergeModulelist", 0), ("Concatenate", 1)}
@@ -67,8 +67,13 @@ class Composite:
         """device -> its shard of the target for the devices ``host`` addresses, and the bytes
         read. Each piece is read (and converted to ``dtype`` by the C core) only if one of those
         shards needs it, then its overlap with each shard is copied in place."""
-        def read(record):
-            return {"": shard_grid_tensors(record, (1,) * len(record.shape), dtype)[0]}
+        def read(record, wanted):
+            # only the part of the piece this host needs, when it is a block of a regular grid
+            # over the piece (one rank's part always is: the plan's blocks are equal)
+            lead = len(wanted) - len(record.shape)
+            grid, block, box = _box_as_block(tuple(record.shape), wanted[lead:])
+            values, nbytes = read_blocks(record, grid, [block], dtype)
+            return {"": values[block]}, wanted[:lead] + box, nbytes
 
         shards, read_bytes = self.assemble(records, {"": (spec, self.shape, dtype)}, mesh, host, read)
         return shards[""], read_bytes
@@ -77,9 +82,12 @@ class Composite:
                  ) -> tuple[dict[str, dict[int, torch.Tensor]], int]:
         """({name: {device: shard}}, bytes read) of several tensors made from the same pieces:
         the target itself, or its quantized weight and scales (``targets``: name -> (spec,
-        shape, dtype); ``read(record)`` -> name -> the piece's values in that tensor). The pieces
-        span the target's last dim (experts are stacked and concatenated by rows), so a piece
-        lands at the same place in every tensor along the other dims and fills its last one."""
+        shape, dtype); ``read(record, wanted)`` -> (name -> the piece's values in that tensor,
+        the box of the piece they cover, bytes read), ``wanted`` being the box of the piece
+        (piece-local, in the target's rank) that this host's shards overlap; a reader may read
+        more). The pieces span the target's last dim (experts are stacked and concatenated by
+        rows), so a piece lands at the same place in every tensor along the other dims and fills
+        its last one."""
         layouts = {}
         for name, (spec, shape, dtype) in targets.items():
             grid = hosts.shard_grid(spec, mesh)
@@ -94,14 +102,23 @@ class Composite:
             record = records[p.key]
             shape = (1,) * (len(self.shape) - len(record.shape)) + tuple(record.shape)
             rows = [(a, a + s) for a, s in zip(p.at[:-1], shape[:-1])]
-            if not any(_intersect(rows, box[:-1]) for _, boxes, _ in layouts.values()
-                       for box in boxes.values()):
+            overlaps = [o for _, boxes, _ in layouts.values() for box in boxes.values()
+                        if (o := _intersect(rows, box[:-1])) is not None]
+            if not overlaps:
                 continue
-            values = read(record)
-            read_bytes += record.nbytes
+            columns = (0, shape[-1])
+            if len(layouts) == 1:       # one target: the piece's columns are the target's
+                (_, boxes, _), = layouts.values()
+                columns = _bounding_box([[box[-1]] for box in boxes.values()])[0]
+            at = tuple(p.at[:-1]) + (0,)
+            wanted = [(lo - a, hi - a) for (lo, hi), a in zip(_bounding_box(overlaps) + [columns], at)]
+            values, got, nbytes = read(record, wanted)
+            read_bytes += nbytes
+            got = [(lo + a, hi + a) for (lo, hi), a in zip(got, at)]
             for name, (_, boxes, blocks) in layouts.items():
-                value = values[name].reshape(shape[:-1] + values[name].shape[-1:])
-                box = rows + [(0, value.shape[-1])]
+                value = values[name]
+                value = value.reshape(tuple(hi - lo for lo, hi in got[:-1]) + value.shape[-1:])
+                box = got[:-1] + [(got[-1][0], got[-1][0] + value.shape[-1])]
                 for b, block_box in boxes.items():
                     region = _intersect(box, block_box)
                     if region is None:
@@ -119,6 +136,27 @@ class Composite:
         one = types.SimpleNamespace(axis_names=("all",), mesh_shape=(1,), device_ids=[0])
         spec = (None,) * len(self.shape)
         return self.host_shards(records, spec, one, hosts.Host.single(1), dtype)[0][0]
+
+
+def _bounding_box(boxes: list) -> list[tuple[int, int]]:
+    return [(min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0]))]
+
+
+def _box_as_block(shape: tuple, box: list) -> tuple[tuple, int, list]:
+    """(grid, block index, the block's box) of the block of a regular grid over a tensor of
+    ``shape`` that is ``box``, dim by dim; a dim whose span is not one cell of an even split of
+    it is taken whole."""
+    grid, coords, got = [], [], []
+    for n, (lo, hi) in zip(shape, box):
+        size = hi - lo
+        if 0 < size and n % size == 0 and lo % size == 0:
+            grid.append(n // size), coords.append(lo // size), got.append((lo, hi))
+        else:
+            grid.append(1), coords.append(0), got.append((0, n))
+    block = 0
+    for c, parts in zip(coords, grid):
+        block = block * parts + c
+    return tuple(grid), block, got
 
 
 def _blocks_in_one_buffer(shapes: dict, dtype: torch.dtype) -> dict:

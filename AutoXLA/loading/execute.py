@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _native, backend
+from .. import _native
+from ..runtimes.xla import XlaRuntime
 from ..planning.plan import Plan
 from ..quantization.experts import quantize_experts
 from ..quantization.linear import stored_tensors
@@ -25,6 +26,7 @@ from .converted import compose
 from .host_quantize import host_quantized_shards, merged_stats
 
 logger = logging.getLogger("AutoXLA")
+XLA = XlaRuntime()
 # Bytes sent to the devices before the loader waits for the copies (their host shards stay alive
 # until the copy finishes).
 _WAIT_BYTES = 32 * 2**20
@@ -81,15 +83,18 @@ def read_whole(key, checkpoint, state=None) -> torch.Tensor:
 
 
 def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
-         verbose: bool | None = False, smoothing=None, host=None) -> None:
+         verbose: bool | None = False, smoothing=None, host=None, runtime=None) -> None:
     """Step 3: stream every tensor from the checkpoint into its sharded place on the devices.
 
     Each process builds the shards of the devices it addresses (``host``, default
-    ``backend.current_host()``) and reads only the bytes they hold (docs/multihost.md); one process
+    ``runtime.current_host()``) and reads only the bytes they hold (docs/multihost.md); one process
     on one host reads everything. ``smoothing`` (calibration's SmoothQuant factors) is applied on
     the host to the tensors it changes, which are read whole for that, before they are quantized
-    or sharded. What was read is left on the model as ``autoxla_load`` (a LoadStats)."""
-    host = host or backend.current_host()
+    or sharded. What was read is left on the model as ``autoxla_load`` (a LoadStats).
+    ``runtime`` (runtimes/) builds the sharded tensors: the xla runtime by default; on the dtensor
+    runtime each process is a host with one device and builds its DTensors' local pieces."""
+    runtime = runtime or XLA
+    host = host or runtime.current_host()
     state = (ckpt.load_pickle_state(checkpoint.pickle_files, checkpoint.pickle_map)
              if checkpoint.is_pickle else None)
     report = state_of(model).quantization
@@ -101,38 +106,41 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
         t, key, owner, leaf = step.tensor, step.key, step.owner, step.leaf
         if step.quantize:
             in_flight += _load_quantized(owner, t, plan, mesh, key, state, checkpoint, report,
-                                         smoothing if t.name in smoothed else None, host, stats)
+                                         smoothing if t.name in smoothed else None, host, stats,
+                                         runtime)
         else:
             dtype = getattr(torch, t.dtype)
             if key is None:   # computed buffer (or a persistent one the checkpoint lacks)
-                value = streaming.tensor_to_device(owner._buffers[leaf], t.spec, mesh, dtype, host)
+                value = streaming.tensor_to_device(owner._buffers[leaf], t.spec, mesh, dtype, host,
+                                                 runtime=runtime)
             elif t.name in smoothed:
                 value = _read_host(key, state, checkpoint, stats)
                 check_shape(t, tuple(value.shape), key)
                 # In the load dtype, as calibration smoothed the float model on the devices.
                 value = streaming.tensor_to_device(smoothing.transform(t.name, value.to(dtype)),
-                                                   t.spec, mesh, dtype, host)
+                                                   t.spec, mesh, dtype, host, runtime=runtime)
             elif not isinstance(key, str):       # experts stacked from one tensor per expert
                 shards, read = key.host_shards(checkpoint.records, t.spec, mesh, host, dtype)
                 stats.bytes_read += read
-                value = streaming.to_device(shards, t.spec, mesh, t.shape, host)
+                value = streaming.to_device(shards, t.spec, mesh, t.shape, host, runtime)
                 del shards
             elif state is not None:
                 check_shape(t, tuple(state[key].shape), key)
-                value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype, host)
+                value = streaming.tensor_to_device(state.pop(key), t.spec, mesh, dtype, host,
+                                                 runtime=runtime)
             else:
                 record = checkpoint.records[key]
                 check_shape(t, record.shape, key)
                 shards, read = streaming.host_shards(record, t.spec, mesh, host, dtype)
                 stats.bytes_read += read
-                value = streaming.to_device(shards, t.spec, mesh, t.shape, host)
+                value = streaming.to_device(shards, t.spec, mesh, t.shape, host, runtime)
                 del shards
             _assign(owner, leaf, value, t.is_buffer)
             in_flight += t.nbytes
         # Copies to the devices are asynchronous and keep their host shards (the tensor in its
         # load dtype) alive: wait once _WAIT_BYTES are in flight, whichever path made them.
         if in_flight >= _WAIT_BYTES:
-            backend.wait_for_transfers()
+            runtime.wait_for_transfers()
             # The host shards just freed stay in malloc's per-thread arenas otherwise, and the
             # process grows by a tensor's worth per layer (bench/moe_load.py: the peak fell from
             # model + 3.1 to model + 1.4 largest tensors with this)
@@ -140,7 +148,7 @@ def load(model: nn.Module, plan: Plan, mesh, checkpoint: ckpt.Checkpoint,
             in_flight = 0
         progress.update(1)
     progress.close()
-    backend.wait_for_transfers()
+    runtime.wait_for_transfers()
     _native.release_freed_host_memory()   # the host shards, freed but kept by malloc's arenas
     retie(model, plan)
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers())
@@ -167,20 +175,21 @@ class LoadStats:
                 f"{self.checkpoint_bytes / 2**20:.1f} MiB ({share:.1%})")
 
 
-def place(model: nn.Module, plan: Plan, mesh) -> None:
+def place(model: nn.Module, plan: Plan, mesh, runtime=None) -> None:
     """Step 3 for from_model: every tensor the model already holds, sent to its planned shards."""
-    in_flight, host = 0, backend.current_host()
+    runtime = runtime or XLA
+    in_flight, host = 0, runtime.current_host()
     for t in plan:
         if t.tied_to:
             continue
         owner, leaf = owner_of(model, t.name)
         current = owner._buffers[leaf] if t.is_buffer else owner._parameters[leaf]
         value = streaming.tensor_to_device(current.detach(), t.spec, mesh, getattr(torch, t.dtype),
-                                           host)
+                                           host, runtime=runtime)
         _assign(owner, leaf, value, t.is_buffer)
         in_flight += t.nbytes
         if in_flight >= _WAIT_BYTES:       # as in load(): bound the host copies in flight
-            backend.wait_for_transfers()
+            runtime.wait_for_transfers()
             in_flight = 0
     retie(model, plan)
 
@@ -270,7 +279,7 @@ def _read_host(key: str, state, checkpoint, stats: LoadStats) -> torch.Tensor:
 
 
 def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, checkpoint, report,
-                    smoothing, host, stats: LoadStats) -> int:
+                    smoothing, host, stats: LoadStats, runtime) -> int:
     """Quantize one float checkpoint weight on the host (C engine), then shard its quantized
     tensors by their planned specs. Returns the bytes sent to the devices.
 
@@ -313,7 +322,8 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     sent = 0
     for leaf, by_device in shards.items():
         entry = leaves[leaf]
-        owner._buffers[leaf] = streaming.to_device(by_device, entry.spec, mesh, entry.shape, host)
+        owner._buffers[leaf] = streaming.to_device(by_device, entry.spec, mesh, entry.shape, host,
+                                                   runtime)
         sent += entry.nbytes
     return sent
 
@@ -330,10 +340,12 @@ def _quantized_pieces(composite, owner: nn.Module, leaves: dict, checkpoint, mes
             "quantized as it streams; re-save the checkpoint with save_pretrained (fused experts)")
     results = []
 
-    def read(record):
+    def read(record, wanted):
+        # whole pieces: the statistics are the whole projection's, and a quantized row is whole
         q = quantize_tensor(streaming.read_whole(record), owner.quant_format, label)
         results.append(q)
-        return stored_tensors(q)
+        box = [(0, 1)] * (len(wanted) - len(record.shape)) + [(0, n) for n in record.shape]
+        return stored_tensors(q), box, record.nbytes
 
     targets = {leaf: (e.spec, e.shape, getattr(torch, e.dtype)) for leaf, e in leaves.items()}
     shards, read_bytes = composite.assemble(checkpoint.records, targets, mesh, host, read)

@@ -83,9 +83,10 @@ def split_grid(t: torch.Tensor, grid: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 def to_device(shards: dict[int, torch.Tensor], spec: tuple, mesh, shape,
-              host: Host | None = None) -> torch.Tensor:
-    """A sharded XLA tensor from ``host``'s shards (device -> shard)."""
-    return backend.tensor_from_shards(shards, spec, mesh, shape, host)
+              host: Host | None = None, runtime=None) -> torch.Tensor:
+    """A sharded tensor from ``host``'s shards (device -> shard), built by ``runtime``
+    (runtimes/: an XLA tensor by default, a DTensor on the dtensor runtime)."""
+    return (runtime or backend).tensor_from_shards(shards, spec, mesh, shape, host)
 
 
 def split_for_host(t: torch.Tensor, spec: tuple, mesh, host: Host | None = None,
@@ -103,7 +104,7 @@ def split_for_host(t: torch.Tensor, spec: tuple, mesh, host: Host | None = None,
 
 
 def tensor_to_device(t: torch.Tensor, spec: tuple, mesh, dtype: torch.dtype | None = None,
-                     host: Host | None = None, nthreads: int = 0) -> torch.Tensor:
-    """An in-memory host tensor (buffers, pickle weights, from_model) to a sharded XLA tensor."""
+                     host: Host | None = None, nthreads: int = 0, runtime=None) -> torch.Tensor:
+    """An in-memory host tensor (buffers, pickle weights, from_model) to a sharded tensor."""
     return to_device(split_for_host(t, spec, mesh, host, dtype, nthreads), spec, mesh,
-                     tuple(t.shape), host)
+                     tuple(t.shape), host, runtime)

@@ -8,16 +8,13 @@ import torch
 from transformers import PretrainedConfig
 from transformers.initialization import no_init_weights
 
-from ..attention import AttentionConfig
-from ..attention.patch import plan_attention
 from ..loading.checkpoint import require_path_or_hub_id
 from ..planning.model_configs import shipped_config_dir
-from ..planning.plan import build_plan
 from ..sharding.mesh import mesh_shape_for, normalize_strategy
 from .causal import causal_or_image_text_class
 from .choices import quantization_for
 from .empty import load_config
-from .pipeline import empty_model, pick_auto_class, quantize_layers
+from .pipeline import empty_model, pick_auto_class, plan_for_mesh, quantize_layers
 from .segmentation import auto_classes
 
 # The dtype names the command line accepts, to torch's names.
@@ -67,15 +64,3 @@ def meta_model(path_or_config, dtype=None, quantization_config=None, on_tpu: boo
     # the same choice of format as from_pretrained's (the checkpoint's own, if it is quantized)
     quantize_layers(r, quantization_for(config, quantization_config), on_tpu)
     return r, config
-
-
-def plan_for_mesh(r, config, strategy: str, mesh, scan_layers: bool = True,
-                  attn_implementation: str = "eager", attention_config=None, multislice=None):
-    """The Plan of ``meta_model``'s model on ``mesh`` (one model serves many meshes), with the
-    attention kernel each layer would run (``attention_config``: an AttentionConfig or its
-    dict, as from_pretrained takes it) and the links of the ``multislice`` it spans."""
-    layer_attention = plan_attention(r.model, attn_implementation,
-                                     AttentionConfig.from_any(attention_config), mesh)
-    return build_plan(r.model, config, mesh, strategy, r.dtype, r.tied, scan_layers=scan_layers,
-                      quantization=r.quantization, layer_attention=layer_attention,
-                      multislice=multislice)

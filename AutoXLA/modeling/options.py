@@ -11,6 +11,7 @@ from ..attention import AttentionConfig
 from ..attention.config import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from ..attention.hf import warn_once
 from ..generation import GenerationOptions
+from .. import runtimes
 from ..quantization import CalibrationConfig, QuantizationConfig
 from ..sharding.mesh import normalize_strategy
 from ..sharding.multislice import MultiSlice
@@ -39,8 +40,10 @@ class LoadOptions:
     calibration: Any = None             # CalibrationConfig once validated (True, text, ids, ...)
     generation_options: Any = None      # GenerationOptions (or its dict) once validated
     compile_cache: Any = None           # directory of torch_xla's persistent compilation cache
-    scan_layers: bool = True            # run the decoder stack as one loop where it repeats
+    scan_layers: bool | None = None     # the decoder stack as one loop where it repeats (None:
+                                        # on the xla runtime; the dtensor one runs layer by layer)
     multislice: Any = None              # MultiSlice once validated: slices joined by DCN
+    runtime: str | None = None          # "xla" | "dtensor"; None: the installed one (runtimes/)
     hub_kwargs: dict = field(default_factory=dict)      # revision, cache_dir, token, ...
     config_kwargs: dict = field(default_factory=dict)   # anything else: config overrides
 
@@ -84,6 +87,9 @@ class LoadOptions:
             raise TypeError(f"compile_cache must be a directory path, got "
                             f"{type(self.compile_cache).__name__}")
         self._validate_multislice()
+        self._validate_runtime()
+        if self.scan_layers is None:
+            self.scan_layers = self.runtime == "xla"
         if not isinstance(self.scan_layers, bool):
             raise TypeError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         if not isinstance(self.xla_patch_linear, bool):
@@ -95,6 +101,24 @@ class LoadOptions:
         if (self.auto_wrap_policy or self.shard_output_callable) and not self.use_fsdp_wrap:
             raise ValueError("auto_wrap_policy and shard_output_callable configure the FSDPv2 "
                              "wrapper: pass use_fsdp_wrap=True as well")
+
+    def _validate_runtime(self) -> None:
+        self.runtime = runtimes.check_name(self.runtime) or runtimes.default()
+        if self.runtime != "dtensor":
+            return
+        # What the dtensor runtime runs so far (docs/runtimes.md): refused by name, not ignored.
+        asked = {"attn_implementation": self.attn_implementation != "eager",
+                 "mesh": self.mesh is not None, "multislice": self.multislice is not None,
+                 "use_fsdp_wrap": self.use_fsdp_wrap, "xla_patch_linear": self.xla_patch_linear,
+                 "gradient_checkpointing": self.gradient_checkpointing,
+                 "calibration": self.calibration is not None,
+                 "compile_cache": self.compile_cache is not None}
+        asked["scan_layers=True"] = self.scan_layers is True
+        refused = [k for k, on in asked.items() if on]
+        if refused:
+            raise ValueError(f"runtime='dtensor' does not take {', '.join(refused)} yet: they are "
+                             "options of the xla runtime (runtime='xla'); docs/runtimes.md lists "
+                             "what each runtime runs")
 
     def _validate_multislice(self) -> None:
         ms = self.multislice

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend, generation, moe
-from ..attention.config import TRANSFORMERS_NAMES
+from .. import backend, generation, moe, runtimes
+from ..attention.config import TRANSFORMERS_NAMES, AttentionConfig
 from ..attention.hf import register as register_attention
 from ..attention.patch import apply_attention, plan_attention, set_decoder_attention
 from ..generation import compile_cache
@@ -19,7 +19,7 @@ from ..loading.execute import load, place
 from ..planning.plan import Plan, build_plan
 from ..quantization import ModelQuantizer, sensitivity
 from ..sharding.decoder_stack import find_stack
-from ..sharding.mesh import mesh_shape_for
+from ..sharding.mesh import MeshShape, mesh_shape_for
 from ..state import state_of
 from . import dynamic_cache
 from . import wrap as wrapping
@@ -57,7 +57,8 @@ def resolve(path, auto_class, opts: LoadOptions, choices: Choices | None = None)
             "neither AutoXLA options (sharding_strategy, mesh, auto_shard, use_fsdp_wrap, "
             "auto_wrap_policy, shard_output_callable, gradient_checkpointing, verbose, dtype, "
             "attn_implementation, attention_config, do_quant, quantization_config, calibration, "
-            "xla_patch_linear, generation_options, compile_cache, scan_layers, multislice) nor "
+            "xla_patch_linear, generation_options, compile_cache, scan_layers, multislice, "
+            "runtime) nor "
             "fields of the model's config; check the spelling")
     choices = choices or choose(config, opts)
     config._attn_implementation = choices.attention
@@ -149,29 +150,43 @@ def patch_linears(model: nn.Module, opts: LoadOptions) -> None:
         backend.patch_linear_for_spmd(model)
 
 
-def make_plan(resolved: Resolved):
+def make_plan(resolved: Resolved, runtime=None):
     """Step 2: the mesh and the plan of every tensor on it, of each attention module's kernel
-    and of the decoder stack."""
+    and of the decoder stack. The plan is the same whichever ``runtime`` (runtimes/) executes it;
+    the runtime counts the devices and builds the mesh the loader fills."""
+    runtime = runtime or runtimes.select("xla")
     choices = resolved.choices
     if choices.mesh is not None:
-        shape, mesh = backend.adopt_user_mesh(choices.mesh)
+        shape, mesh = runtime.adopt_user_mesh(choices.mesh)
     else:
-        shape = mesh_shape_for(choices.strategy, backend.device_count())
-        mesh = backend.make_mesh(shape, choices.multislice)
-    layer_attention = plan_attention(resolved.model, choices.attention, choices.attention_config,
-                                     shape)
-    host = backend.current_host()
+        shape = mesh_shape_for(choices.strategy, runtime.device_count())
+        mesh = runtime.make_mesh(shape, choices.multislice)
+    host = runtime.current_host()
     simulated = f"{host.index}/{host.count}" if host.simulated else None
     if simulated:
         warnings.warn(f"AUTOXLA_SIMULATE_HOST={simulated}: this process loads the shards "
                       f"of simulated host {host.index} of {host.count} only; the other devices hold "
                       "NaN, so outputs are not meaningful (a multi-host test setting; unset it to "
                       "run the model)", RuntimeWarning, stacklevel=3)
-    plan = build_plan(resolved.model, resolved.config, shape, choices.strategy, resolved.dtype,
-                      resolved.tied, scan_layers=choices.scan_layers,
-                      quantization=resolved.quantization, layer_attention=layer_attention,
-                      multislice=choices.multislice, simulated_host=simulated)
+    plan = plan_for_mesh(resolved, resolved.config, choices.strategy, shape, choices.scan_layers,
+                         choices.attention, choices.attention_config, choices.multislice,
+                         simulated)
     return plan, mesh
+
+
+def plan_for_mesh(resolved: Resolved, config, strategy: str, mesh: MeshShape,
+                  scan_layers: bool = True, attn_implementation: str = "eager",
+                  attention_config=None, multislice=None, simulated_host: str | None = None):
+    """The Plan of ``resolved``'s model on ``mesh``, with the attention kernel each layer would
+    run (``attention_config``: an AttentionConfig or its dict) and the links of the
+    ``multislice`` it spans: the one place a plan is assembled (from_pretrained on either
+    runtime, ``autoxla plan`` and the offline forecast all call it)."""
+    layer_attention = plan_attention(resolved.model, attn_implementation,
+                                     AttentionConfig.from_any(attention_config), mesh)
+    return build_plan(resolved.model, config, mesh, strategy, resolved.dtype, resolved.tied,
+                      scan_layers=scan_layers, quantization=resolved.quantization,
+                      layer_attention=layer_attention, multislice=multislice,
+                      simulated_host=simulated_host)
 
 
 def stack_layers(model: nn.Module, plan: Plan, mesh) -> None:
@@ -206,18 +221,23 @@ def quantize_layers(resolved: Resolved, cfg, on_tpu: bool, calibration=None) -> 
 
 def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     """from_pretrained, top to bottom."""
-    compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
+    runtime = runtimes.select(opts.runtime)     # xla (torch_xla) or dtensor (torch.distributed)
+    if runtime.name == "xla":
+        compile_cache.enable(opts.compile_cache)       # 0. before anything compiles (or $ENV)
     resolved = resolve(path, auto_class, opts)                                       # 1. resolve
     checkpoint = ckpt.locate(path, use_safetensors=opts.use_safetensors, **opts.hub_kwargs)
     qconfig, smoothing, calibration = resolved.choices.quantization, None, None
     if resolved.choices.calibration is not None:           # 1b. float model, calibrated, dropped
         qconfig, smoothing, calibration = calibrate_float(path, auto_class, opts, resolved, checkpoint)
-    quantize_layers(resolved, qconfig, backend.pallas_target(), calibration)   # 2a. quantize
+    quantize_layers(resolved, qconfig, runtime.pallas_target(), calibration)   # 2a. quantize
     patch_linears(resolved.model, opts)                                     # 2b. einsum linears
-    plan, mesh = make_plan(resolved)                                                 # 2. plan
+    plan, mesh = make_plan(resolved, runtime)                                        # 2. plan
     if opts.verbose:
         print(plan)
-    load(resolved.model, plan, mesh, checkpoint, opts.verbose, smoothing)  # 3. load (+ quantize)
+    load(resolved.model, plan, mesh, checkpoint, opts.verbose, smoothing,  # 3. load (+ quantize)
+         runtime=runtime)
+    if runtime.name == "dtensor":       # 4. each module gathers its shards as it runs
+        return runtime.finish(resolved.model, plan, mesh)
     return _finish(resolved, plan, mesh, opts)                              # 4. patch, 5. wrap
 
 
@@ -266,6 +286,10 @@ def _tokenizer(path, opts: LoadOptions):
 
 def build_from_model(model: nn.Module, opts: LoadOptions) -> nn.Module:
     """from_model, top to bottom: the same steps on a model that already holds its weights."""
+    if opts.runtime != "xla":
+        raise ValueError("from_model runs on the xla runtime only so far: on runtime="
+                         f"{opts.runtime!r}, save the model (save_pretrained) and load it with "
+                         "from_pretrained (docs/runtimes.md)")
     compile_cache.enable(opts.compile_cache)           # 0. before anything compiles (or $ENV)
     resolved = adopt(model, opts)                                                    # 1. adopt
     if resolved.choices.calibration is not None:

@@ -3,6 +3,7 @@ fused expert parameters (loading/converted.py): every device's shard equals the 
 transformers itself builds, a host of several reads only its own experts, and a checkpoint that
 misses an expert is refused by name. No XLA program runs: the plan and the device layout say
 what each device holds."""
+import functools
 import json
 import types
 
@@ -53,21 +54,27 @@ def _composites(path, strategy):
     return plan, checkpoint, composites
 
 
+@functools.cache
+def _fused_reference(path) -> dict[str, torch.Tensor]:
+    """transformers' own parameters of the checkpoint (its converters fuse the experts)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "2d", "3d", "mp", "dp"])
 @pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
 def test_every_shard_is_transformers_fused_tensor(name, strategy, moe):
-    from transformers import AutoModelForCausalLM
-
     plan, checkpoint, composites = _composites(moe[name], strategy)
-    reference = dict(AutoModelForCausalLM.from_pretrained(moe[name], dtype=torch.float32)
-                     .named_parameters())
+    reference = _fused_reference(moe[name])
     assert {n.rsplit(".", 1)[-1] for n in composites} == {"gate_up_proj", "down_proj"}
     mesh, host = _mesh(strategy), Host.single(DEVICES)
     for target, composite in composites.items():
         spec = plan[target].spec
         shards, read = composite.host_shards(checkpoint.records, spec, mesh, host, torch.float32)
         assert read == sum(checkpoint.records[p.key].nbytes for p in composite.pieces)
-        want = streaming.split_grid(reference[target].detach(), hosts.shard_grid(spec, mesh))
+        want = streaming.split_grid(reference[target], hosts.shard_grid(spec, mesh))
         for device, block in enumerate(hosts.device_blocks(spec, mesh)):
             assert torch.equal(shards[device], want[block]), f"{target} on device {device}"
 
@@ -83,6 +90,25 @@ def test_a_host_reads_only_its_experts(moe):
                                                  torch.float32)
             assert set(shards) == set(host.devices)
             assert read == whole // 2     # 8 experts over fsdp=8: 4 devices, 4 experts per host
+
+
+@pytest.mark.parametrize("strategy", ["2d", "3d", "mp"])
+def test_one_device_reads_only_its_block_of_each_expert(strategy, moe):
+    # One process per device (the dtensor runtime; a host of one device): a piece split over
+    # "model" is read only where this device's shard overlaps it, so the bytes read are the
+    # shard's own, not whole experts'
+    plan, checkpoint, composites = _composites(moe["Mixtral"], strategy)
+    reference = _fused_reference(moe["Mixtral"])
+    mesh = _mesh(strategy)
+    for target, composite in composites.items():
+        spec = plan[target].spec
+        itemsize = checkpoint.records[composite.pieces[0].key].dtype.itemsize
+        want = streaming.split_grid(reference[target], hosts.shard_grid(spec, mesh))
+        for device, block in enumerate(hosts.device_blocks(spec, mesh)):
+            host = Host(device, DEVICES, (device,))
+            shards, read = composite.host_shards(checkpoint.records, spec, mesh, host, torch.float32)
+            assert torch.equal(shards[device], want[block]), f"{target} on device {device}"
+            assert read == want[block].numel() * itemsize, f"{target} on device {device}"
 
 
 def test_a_missing_expert_is_refused_by_name(moe, tmp_path, xla_devices):
@@ -134,7 +160,8 @@ def test_quantized_pieces_are_the_fused_tensor_quantized(host_index, moe):
         targets = {leaf: (e.spec, e.shape, getattr(torch, e.dtype)) for leaf, e in leaves.items()}
         shards, read = composite.assemble(
             checkpoint.records, targets, mesh, host,
-            lambda r: stored_tensors(quantize_tensor(streaming.read_whole(r), fmt)))
+            lambda r, wanted: (stored_tensors(quantize_tensor(streaming.read_whole(r), fmt)),
+                               [(0, 1)] + [(0, n) for n in r.shape], r.nbytes))
         assert read == sum(checkpoint.records[p.key].nbytes for p in composite.pieces) // 2
         fused = reference[target].detach()
         whole = stored_tensors(quantize_tensor(fused.reshape(-1, fused.shape[-1]), fmt))
