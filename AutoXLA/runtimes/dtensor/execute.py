@@ -1,0 +1,230 @@
+"""Running a model whose tensors are DTensors laid out as the plan says.
+
+Every parameter stays a DTensor with the plan's placements (sharded over fsdp and model, as
+loaded). Each module gathers what it computes with just before it runs and drops it after (a
+pre- and a post-forward hook): over the batch axes always (FSDP: the whole parameter for the rows
+this rank holds), over the model axis unless the module is part of a tensor-parallel block.
+
+A tensor-parallel block is a module whose linears the plan splits the Megatron way: every column
+linear by its output features over "model", every row linear by its input features (attention:
+q/k/v then o; an MLP: gate/up then down). Its column linears then compute this rank's heads or
+features, and each row linear's partial output is summed over "model" (one all-reduce); every
+other module computes whole. The collectives are DTensor redistributions, so autograd gets
+their transposes: gradients come back as the plan's placements (reduce-scattered over fsdp,
+summed over data).
+
+The batch: every process calls the model with the same global batch; its rows are split over
+the (data, fsdp) ranks when they divide evenly (else every rank computes every row), and the
+logits and loss come back whole on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from ...planning.plan import Plan
+from ...sharding import rules
+from ...sharding.mesh import AXES
+from .mesh import PlanMesh
+from .placements import axes_of, compute_placements
+
+BATCH_AXES = ("data", "fsdp")
+_MODEL = AXES.index("model")
+
+
+@dataclass(frozen=True)
+class ModuleExecution:
+    """How one module computes: the modules under a tensor-parallel block keep their split over
+    "model"; a row linear's output is then summed over it."""
+
+    tensor_parallel: bool = False
+    row: bool = False       # a row linear of a tensor-parallel block
+    column: bool = False    # a column linear of a tensor-parallel block
+
+
+def tensor_parallel_blocks(model: nn.Module, plan: Plan) -> dict[str, ModuleExecution]:
+    """module path -> how it computes, for the modules under tensor-parallel blocks."""
+    if plan.mesh.model == 1:
+        return {}
+    found = {}
+    for path, module in model.named_modules():
+        columns, rows = [], []
+        consistent = True
+        for name, child in module.named_children():
+            weight = f"{path}.{name}.weight" if path else f"{name}.weight"
+            if weight not in plan:
+                continue
+            t = plan[weight]
+            if t.role == rules.COLUMN:
+                columns.append(name)
+                consistent &= "model" in axes_of(t.spec[0])
+            elif t.role == rules.ROW:
+                rows.append(name)
+                consistent &= "model" in axes_of(t.spec[1])
+        if not (columns and rows and consistent):
+            continue
+        for sub, _ in module.named_modules():
+            full = f"{path}.{sub}".strip(".") if sub else path
+            found[full] = ModuleExecution(True)
+        for name in columns:
+            found[f"{path}.{name}".strip(".")] = ModuleExecution(True, column=True)
+        for name in rows:
+            found[f"{path}.{name}".strip(".")] = ModuleExecution(True, row=True)
+    return found
+
+
+class Executor:
+    """The hooks that run ``model`` on ``mesh`` as the plan lays it out (see the module's text)."""
+
+    def __init__(self, model: nn.Module, plan: Plan, mesh: PlanMesh):
+        self.model, self.plan, self.mesh = model, plan, mesh
+        self.blocks = tensor_parallel_blocks(model, plan)
+        self.batch_split = False
+        # The batch axes as one mesh dimension: a gather over both is one collective, not two
+        self.batch_mesh = mesh.device_mesh[BATCH_AXES]._flatten("batch")
+        self._handles = []
+        for path, module in model.named_modules():
+            own = [n for n, t in list(module._parameters.items()) + list(module._buffers.items())
+                   if isinstance(t, DTensor)]
+            how = self.blocks.get(path, ModuleExecution())
+            if own:
+                self._handles.append(module.register_forward_pre_hook(
+                    functools.partial(self._gather, own, how), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    functools.partial(self._release, own, how), with_kwargs=True))
+
+    # -- parameters ------------------------------------------------------------------------
+    def _local(self, t: DTensor, how: ModuleExecution) -> torch.Tensor:
+        keep = frozenset({"model"}) if how.tensor_parallel else frozenset()
+        placements = compute_placements(t.placements, AXES, keep)
+        if not (torch.is_grad_enabled() and t.requires_grad):
+            if placements != tuple(t.placements):
+                t = t.redistribute(t.device_mesh, placements)
+            return t.to_local()
+        # Redistributed even when the placements already match: the redistribution's backward is
+        # what brings the gradient to the parameter's placements (a replicated parameter's
+        # gradient, partial over the batch ranks, is summed there)
+        value = t.redistribute(t.device_mesh, placements)
+        grads = []
+        for axis, p in zip(AXES, placements):
+            if axis in BATCH_AXES:
+                grads.append(Partial() if self.batch_split else Replicate())
+            elif isinstance(p, Shard):
+                grads.append(p)
+            else:   # model, gathered: inside a block each rank's heads add to its gradient
+                grads.append(Partial() if how.tensor_parallel else Replicate())
+        return value.to_local(grad_placements=grads)
+
+    def _gather(self, names, how, module, args, kwargs):
+        for name in names:
+            tensor = module._parameters.get(name)
+            if tensor is None:
+                tensor = module._buffers[name]
+            module.__dict__[name] = self._local(tensor, how)
+        if how.row and module.__dict__.get("bias") is not None:
+            # the bias is added once, after the sum over "model"
+            module.__dict__["_autoxla_row_bias"] = module.__dict__["bias"]
+            module.__dict__["bias"] = None
+        if how.column and torch.is_grad_enabled() and args:
+            # identity forward; backward sums the input's gradient over "model"
+            args = (self._copy_to_model(args[0]),) + tuple(args[1:])
+        return args, kwargs
+
+    def _release(self, names, how, module, args, kwargs, output):
+        for name in names:
+            module.__dict__.pop(name, None)
+        if how.row:
+            output = self._sum_over_model(output)
+            bias = module.__dict__.pop("_autoxla_row_bias", None)
+            if bias is not None:
+                output = output + bias
+        return output
+
+    # -- collectives -----------------------------------------------------------------------
+    def _sum_over_model(self, partial: torch.Tensor) -> torch.Tensor:
+        placements = [Replicate()] * len(AXES)
+        placements[_MODEL] = Partial()
+        summed = DTensor.from_local(partial, self.mesh.device_mesh, placements, run_check=False)
+        return summed.redistribute(self.mesh.device_mesh, [Replicate()] * len(AXES)).to_local()
+
+    def _copy_to_model(self, x: torch.Tensor) -> torch.Tensor:
+        grads = [Replicate()] * len(AXES)
+        grads[_MODEL] = Partial()
+        whole = DTensor.from_local(x, self.mesh.device_mesh, [Replicate()] * len(AXES),
+                                   run_check=False)
+        return whole.to_local(grad_placements=grads)
+
+    # -- the batch -------------------------------------------------------------------------
+    def batch_ranks(self) -> int:
+        return self.mesh.shape.data * self.mesh.shape.fsdp
+
+    @contextlib.contextmanager
+    def split(self, batch: int):
+        """Split ``batch`` rows over the batch axes for the forward inside, when they divide."""
+        previous = self.batch_split
+        self.batch_split = self.batch_ranks() > 1 and batch % self.batch_ranks() == 0
+        try:
+            yield self.batch_split
+        finally:
+            self.batch_split = previous
+
+    def local_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch tensor (under ``split``)."""
+        index = self.batch_mesh.get_local_rank()
+        rows = t.shape[0] // self.batch_ranks()
+        return t[index * rows:(index + 1) * rows]
+
+    def all_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """The global batch from every rank's rows; its gradient is this rank's rows' again."""
+        whole = DTensor.from_local(local, self.batch_mesh, [Shard(0)], run_check=False)
+        return whole.full_tensor()
+
+    def sum_over_batch(self, local: torch.Tensor) -> torch.Tensor:
+        total = DTensor.from_local(local, self.batch_mesh, [Partial()], run_check=False)
+        return total.full_tensor()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def run_on_the_mesh(model: nn.Module, executor: Executor) -> None:
+    """Give ``model`` a forward that takes the global batch on every process (see the module's
+    text): rows split over the batch axes where they divide, logits and loss whole again."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def parallel_forward(*args, **kwargs):
+        first = kwargs.get("input_ids", args[0] if args else None)
+        if first is None:
+            first = kwargs.get("inputs_embeds")
+        batch = first.shape[0]
+        with executor.split(batch) as split:
+            if not split:
+                return forward(*args, **kwargs)
+            labels = kwargs.get("labels")
+            if labels is not None and "num_items_in_batch" not in kwargs:
+                # transformers' causal loss: the sum over this rank's tokens divided by the whole
+                # batch's count, summed over the ranks below = the loss of the whole batch
+                kwargs["num_items_in_batch"] = (labels[..., 1:] != -100).sum()
+            args = tuple(executor.local_rows(a) if _is_rows(a, batch) else a for a in args)
+            kwargs = {k: executor.local_rows(v) if _is_rows(v, batch) else v
+                      for k, v in kwargs.items()}
+            out = forward(*args, **kwargs)
+            if getattr(out, "logits", None) is not None:
+                out.logits = executor.all_rows(out.logits)
+            if getattr(out, "loss", None) is not None:
+                out.loss = executor.sum_over_batch(out.loss)
+            return out
+
+    model.forward = parallel_forward
+
+
+def _is_rows(value, batch: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch

@@ -1,0 +1,72 @@
+"""The dtensor runtime: what the shared pipeline asks of a runtime (runtimes/__init__.py),
+answered with torch.distributed. Every process is a host with one device (its rank), so the
+loader's multi-host path (sharding/hosts.py) reads exactly this rank's blocks, and each becomes
+the local piece of a DTensor with the plan's placements, without communication."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ...sharding.hosts import Host
+from ...sharding.mesh import MeshShape
+from ...state import record_state
+from . import process
+from .execute import Executor, run_on_the_mesh
+from .mesh import PlanMesh, make_mesh
+from .placements import placements_for
+
+
+class DTensorRuntime:
+    name = "dtensor"
+
+    def __init__(self, device_type: str | None = None):
+        self.device_type = device_type or process.device_type()
+
+    def start(self) -> None:
+        process.ensure_process_group(self.device_type)
+
+    def device(self) -> torch.device:
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, torch.accelerator.current_device_index())
+
+    def device_count(self) -> int:
+        self.start()
+        return process.world_size()
+
+    def current_host(self) -> Host:
+        self.start()
+        return Host(process.rank(), process.world_size(), (process.rank(),))
+
+    def make_mesh(self, shape: MeshShape, multislice=None) -> PlanMesh:
+        if multislice is not None:
+            raise ValueError("multislice= is an xla-runtime option (DCN links between TPU "
+                             "slices); on the dtensor runtime the process group spans the job")
+        self.start()
+        return make_mesh(shape, self.device_type)
+
+    def adopt_user_mesh(self, mesh):
+        raise ValueError("mesh= takes a torch_xla Mesh, which the dtensor runtime does not use: "
+                         "pass sharding_strategy=, or run on runtime='xla'")
+
+    def pallas_target(self):
+        return None       # torch_tpu's Pallas ops are not wired in yet (docs/runtimes.md)
+
+    def tensor_from_shards(self, shards: dict[int, torch.Tensor], spec: tuple, mesh: PlanMesh,
+                           shape, host: Host | None = None) -> DTensor:
+        """This rank's shard as the local piece of a DTensor laid out as the plan says."""
+        local = shards[process.rank()].to(self.device())
+        shape = tuple(shape)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, mesh.device_mesh, placements_for(spec), run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+
+    def wait_for_transfers(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+
+    def finish(self, model, plan, mesh: PlanMesh):
+        """Step 4 on this runtime: the modules gather their shards as they run (execute.py)."""
+        run_on_the_mesh(model, Executor(model, plan, mesh))
+        record_state(model, plan=plan, mesh=mesh)
+        return model
