@@ -6,6 +6,7 @@ checkout's build files whose C sources are one tiny function (compiles in about 
 script and setup.py are the project's own, so the logic tested is the real one).
 """
 import ctypes
+import re
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,13 @@ def test_the_c_core_is_rebuilt_only_when_its_sources_change(tmp_path):
     assert fresh.stdout.strip() == "42", fresh.stderr
     assert running.axl_answer() == 41           # the running process still has the old, intact
     assert not list((root / "build").glob("c-core.*")), "the build folder was left behind"
+
+
+def test_the_dtensor_lock_pins_torch_2_14_1_and_every_package_without_torch_xla_or_jax():
+    lines = [line.strip() for line in (ROOT / "requirements-dtensor.lock").read_text().splitlines()]
+    pins = [line for line in lines if line and not line.startswith("#")]
+    assert "torch==2.14.1" in pins
+    unpinned = [line for line in pins if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[^=\s]+", line)]
+    assert not unpinned, unpinned
+    names = {re.sub(r"[-_.]+", "-", line.split("==")[0]).lower() for line in pins}   # PEP 503
+    assert not names & {"torch-xla", "jax", "jaxlib"}
