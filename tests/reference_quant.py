@@ -169,3 +169,32 @@ def error_stats_reference(w: torch.Tensor, dq: torch.Tensor) -> tuple[torch.Tens
     signal, noise = (x * x).sum(dim=1), (e * e).sum(dim=1)
     sqnr = torch.where(noise == 0, torch.full_like(noise, float("inf")), 10 * torch.log10(signal / noise))
     return max_err, sqnr.to(torch.float32)
+
+
+def quantized_reference(ref, model):
+    """``ref`` (plain transformers, fp32) with every weight ``model`` holds quantized replaced by
+    its round trip through tests/reference_quant.py: a linear's (out, in) rows, and an expert
+    projection's [experts, out, in] rows (gpt-oss keeps [experts, in, out]: transposed for it)."""
+    from AutoXLA.quantization.experts import QuantizedExperts
+    from AutoXLA.quantization.linear import QuantizedLinear
+
+    quantized = {n: m for n, m in model.named_modules()
+                 if isinstance(m, (QuantizedLinear, QuantizedExperts))}
+    assert quantized
+    with torch.no_grad():
+        for n, m in quantized.items():
+            fmt = m.quant_format
+            assert not (fmt.search or fmt.offset or fmt.ragged)
+            if isinstance(m, QuantizedLinear):
+                weight = ref.get_submodule(n).weight
+            else:
+                owner, _, leaf = n.rpartition(".")
+                weight = getattr(ref.get_submodule(owner), leaf)
+            rows = weight.transpose(1, 2) if getattr(m, "source_transposed", False) else weight
+            shape = rows.shape
+            q, scale, zp = quantize_reference(rows.reshape(-1, shape[-1]), fmt.bits, fmt.symmetric,
+                                              fmt.block_size, fmt.torch_scale_dtype)
+            back = dequantize_reference(q, scale, zp, fmt.bits, fmt.in_features,
+                                        fmt.block_size).reshape(shape)
+            rows.copy_(back)      # a view of ``weight`` when transposed
+    return ref

@@ -41,6 +41,9 @@ class QuantizedExperts(nn.Module):
         # The sharding rules recognise a quantized module by this attribute (rules.classify).
         self.quant_format = fmt
         self.backend = EXPERTS_BACKEND
+        # Never called, so a runtime that gathers a module's shards as it runs (the dtensor
+        # runtime's executor) gathers these with the experts module that reads them
+        self.gathered_with_parent = True
         self.num_experts = num_experts
         self.source_transposed = source_transposed   # the float parameter was [E, in, out]
         register_quantized_buffers(self, fmt, device, leading=(num_experts,))

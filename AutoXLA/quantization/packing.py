@@ -41,7 +41,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
         def widen(t):
             return per_column(t.to(torch.float32), fmt)
     else:
-        w = w.reshape(*rows, fmt.groups, fmt.block_size)
+        # The groups counted from the scale, not the format: a tensor-parallel rank of the
+        # dtensor runtime holds a row linear's block of input columns and their blocks' scales,
+        # and dequantizes them as a smaller layer (the same numbers as the whole layer's)
+        w = w.reshape(*rows, scale.shape[-1], -1)
 
         def widen(t):
             return t.to(torch.float32).unsqueeze(-1)
@@ -50,7 +53,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
     w = w * widen(scale)
     if offset is not None:
         w = w + widen(offset)
-    return w.reshape(*rows, fmt.in_features).to(dtype)
+    return w.reshape(*rows, -1).to(dtype)
 
 
 def per_column(t: torch.Tensor, fmt: LayerFormat) -> torch.Tensor:

@@ -4,7 +4,8 @@ For each architecture: transformers' model on the CPU in fp32 is the reference (
 computes it, so no reference crosses a process boundary); for each strategy the checkpoint is
 loaded with ``runtime="dtensor"`` and this rank writes what it saw to OUT/<arch>-<strategy>-<rank>.json:
 its placements and blocks against the plan (rank 0: the plan's JSON), the bytes it read, the logits' and the loss's
-differences, every gradient's, and whether 16 greedy tokens equal transformers'.
+differences, every gradient's, and whether 16 greedy tokens equal transformers'; and for the
+quantized cases, the logits against transformers on the round-tripped weights and the float SQNR.
 """
 from __future__ import annotations
 
@@ -15,17 +16,24 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.helpers import sqnr_db  # noqa: E402  (the checkout's tests package, by path)
+
 TRAIN_BATCH = 8          # divides data x fsdp under every strategy: the split-rows path
 GENERATE_BATCH = 3       # divides none: the path where every rank computes every row
 NEW_TOKENS = 16
 
 
-def reference(checkpoint):
+def reference_model(checkpoint):
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                attn_implementation="eager")
+
+
+def reference(checkpoint):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                 attn_implementation="eager")
+    model = reference_model(checkpoint)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab - 3, (TRAIN_BATCH, 12))
     labels = ids.clone()
@@ -42,31 +50,63 @@ def reference(checkpoint):
                 loss=out.loss.detach(), grads=grads, tokens=tokens)
 
 
-def check(checkpoint, strategy, ref) -> dict:
+def layout(model) -> tuple[list[str], int]:
+    """(every tensor whose placements or local block differ from the plan's, the bytes this
+    rank's blocks of the checkpoint's tensors hold)."""
     from torch.distributed.tensor import DTensor
 
-    from AutoXLA.modeling import AutoXLAModelForCausalLM
     from AutoXLA.runtimes.dtensor.placements import local_block, placements_for, planned_block
     from AutoXLA.state import state_of
 
-    model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
-                                                    runtime="dtensor", dtype=torch.float32)
     plan, mesh, rank = state_of(model).plan, state_of(model).mesh, dist.get_rank()
-    wrong_layout, expected_bytes = [], 0
+    wrong, expected_bytes = [], 0
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for t in plan:
         if t.tied_to:
             continue
         value = tensors[t.name]
         if not isinstance(value, DTensor):
-            wrong_layout.append(f"{t.name}: not a DTensor")
+            wrong.append(f"{t.name}: not a DTensor")
             continue
         got = (tuple(value.placements), local_block(t.shape, value.device_mesh, value.placements))
         want = (placements_for(t.spec), planned_block(t.spec, mesh, t.shape, rank))
         if got != want or tuple(value.to_local().shape) != want[1][0]:
-            wrong_layout.append(f"{t.name}: {got} != plan's {want}")
+            wrong.append(f"{t.name}: {got} != plan's {want}")
         if t.persistent:
             expected_bytes += t.bytes_per_device
+    return wrong, expected_bytes
+
+
+def check_quantized(checkpoint, strategy, bits, ref) -> dict:
+    """int8 per channel or int4 in blocks of 32 (no scale search: the reference has none): the
+    logits against transformers with every quantized weight replaced by its round trip through
+    tests/reference_quant.py, and against the float model (SQNR)."""
+    from AutoXLA.modeling import AutoXLAModelForCausalLM
+    from AutoXLA.quantization import QuantizationConfig
+    from tests.reference_quant import quantized_reference
+
+    cfg = QuantizationConfig(bits=bits, block_size=32 if bits == 4 else -1, scale_search=False)
+    model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
+                                                    runtime="dtensor", dtype=torch.float32,
+                                                    do_quant=True, quantization_config=cfg)
+    wrong_layout, _ = layout(model)
+    rounded = quantized_reference(reference_model(checkpoint), model)
+    with torch.no_grad():
+        got = model(ref["ids"]).logits
+        want = rounded(ref["ids"]).logits
+    return dict(wrong_layout=wrong_layout,
+                logits_diff=float((got - want).abs().max()), logits_scale=float(want.abs().max()),
+                sqnr_db=sqnr_db(ref["logits"], got))
+
+
+def check(checkpoint, strategy, ref) -> dict:
+    from AutoXLA.modeling import AutoXLAModelForCausalLM
+    from AutoXLA.state import state_of
+
+    model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
+                                                    runtime="dtensor", dtype=torch.float32)
+    plan, rank = state_of(model).plan, dist.get_rank()
+    wrong_layout, expected_bytes = layout(model)
     out = model(ref["ids"], labels=ref["labels"])
     out.loss.backward()
     grad_diff, grad_scale, wrong_grads = 0.0, 0.0, []
@@ -110,6 +150,16 @@ def main(out_dir: str, cases: str) -> None:
                 import traceback
                 traceback.print_exc()
             path = os.path.join(out_dir, f"{case['name']}-{strategy}-{rank}.json")
+            with open(path, "w") as f:
+                json.dump(result, f)
+        for strategy, bits in case.get("quantized", []):
+            try:
+                result = check_quantized(case["checkpoint"], strategy, bits, ref)
+            except Exception as e:
+                result = dict(error=f"{type(e).__name__}: {e}")
+                import traceback
+                traceback.print_exc()
+            path = os.path.join(out_dir, f"{case['name']}-{strategy}-int{bits}-{rank}.json")
             with open(path, "w") as f:
                 json.dump(result, f)
     dist.destroy_process_group()

@@ -14,6 +14,7 @@ from AutoXLA.testing.architectures import ARCHITECTURES, BY_NAME, QUANTIZED_EXPE
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
 from tests.helpers import SQNR_FLOOR_DB, assert_close, check_sharding_matches_plan, quiet, sqnr_db
+from tests.reference_quant import quantized_reference
 
 NEW_TOKENS = 16
 # Two rows, no padding: generate's reference is transformers' generate on the same rows.
@@ -94,7 +95,7 @@ def test_architecture_int8(name, zoo, expected, xla_devices):
     # Mixtral's logits by ~18 dB SQNR).
     model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo(name), sharding_strategy="2d",
                   do_quant=True, quantization_config=QuantizationConfig(bits=8))
-    ref = _quantized_reference(_reference(zoo(name)), model)
+    ref = quantized_reference(_reference(zoo(name)), model)
     with torch.no_grad():
         want = ref(IDS).logits
         got = model(IDS.to(backend.device())).logits.cpu()
@@ -125,7 +126,7 @@ def test_quantized_experts(name, bits, zoo, xla_devices):
     entry = plan[next(iter(experts)) + ".weight"]
     assert entry.role == "experts" and entry.spec[0] == "fsdp" and entry.dtype == str(stored)[6:]
     check_sharding_matches_plan(model, plan, model.autoxla_mesh)
-    ref = _quantized_reference(_reference(zoo(name)), model)
+    ref = quantized_reference(_reference(zoo(name)), model)
     dev = backend.device()
     with torch.no_grad():
         want = ref(IDS).logits
@@ -162,39 +163,9 @@ def test_model_quantizer_on_the_cpu(zoo):
     cpu = ModelQuantizer(QuantizationConfig(bits=4, block_size=32, scale_search=False)
                          ).quantize_model(_reference(zoo("Mixtral")))
     assert cpu.config._experts_implementation == "autoxla_experts"
-    ref = _quantized_reference(_reference(zoo("Mixtral")), cpu)
+    ref = quantized_reference(_reference(zoo("Mixtral")), cpu)
     with torch.no_grad():
         assert_close(cpu(IDS).logits, ref(IDS).logits, what="CPU int4 Mixtral logits")
-
-
-def _quantized_reference(ref, model):
-    """``ref`` (plain transformers, fp32) with every weight ``model`` holds quantized replaced by
-    its round trip through tests/reference_quant.py: a linear's (out, in) rows, and an expert
-    projection's [experts, out, in] rows (gpt-oss keeps [experts, in, out]: transposed for it)."""
-    from AutoXLA.quantization.experts import QuantizedExperts
-    from AutoXLA.quantization.linear import QuantizedLinear
-    from tests.reference_quant import dequantize_reference, quantize_reference
-
-    quantized = {n: m for n, m in model.named_modules()
-                 if isinstance(m, (QuantizedLinear, QuantizedExperts))}
-    assert quantized
-    with torch.no_grad():
-        for n, m in quantized.items():
-            fmt = m.quant_format
-            assert not (fmt.search or fmt.offset or fmt.ragged)
-            if isinstance(m, QuantizedLinear):
-                weight = ref.get_submodule(n).weight
-            else:
-                owner, _, leaf = n.rpartition(".")
-                weight = getattr(ref.get_submodule(owner), leaf)
-            rows = weight.transpose(1, 2) if getattr(m, "source_transposed", False) else weight
-            shape = rows.shape
-            q, scale, zp = quantize_reference(rows.reshape(-1, shape[-1]), fmt.bits, fmt.symmetric,
-                                              fmt.block_size, fmt.torch_scale_dtype)
-            back = dequantize_reference(q, scale, zp, fmt.bits, fmt.in_features,
-                                        fmt.block_size).reshape(shape)
-            rows.copy_(back)      # a view of ``weight`` when transposed
-    return ref
 
 
 # -- regressions at real defaults (issue 25) -------------------------------------------------

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ...planning.plan import Plan
+from ...quantization.packing import per_column
 from ...sharding import rules
 from ...sharding.mesh import AXES
 from .mesh import PlanMesh
@@ -89,7 +90,12 @@ class Executor:
         self.batch_mesh = mesh.device_mesh[BATCH_AXES]._flatten("batch")
         self._handles = []
         for path, module in model.named_modules():
-            own = [n for n, t in list(module._parameters.items()) + list(module._buffers.items())
+            if getattr(module, "gathered_with_parent", False):
+                continue
+            holders = [module] + [c for c in module.children()
+                                  if getattr(c, "gathered_with_parent", False)]
+            own = [(holder, n) for holder in holders
+                   for n, t in list(holder._parameters.items()) + list(holder._buffers.items())
                    if isinstance(t, DTensor)]
             how = self.blocks.get(path, ModuleExecution())
             if own:
@@ -121,11 +127,13 @@ class Executor:
         return value.to_local(grad_placements=grads)
 
     def _gather(self, names, how, module, args, kwargs):
-        for name in names:
-            tensor = module._parameters.get(name)
+        for holder, name in names:   # the module's own tensors, and those it reads of a child
+            tensor = holder._parameters.get(name)
             if tensor is None:
-                tensor = module._buffers[name]
-            module.__dict__[name] = self._local(tensor, how)
+                tensor = holder._buffers[name]
+            holder.__dict__[name] = self._local(tensor, how)
+        if how.row and hasattr(module, "quant_format"):
+            self._row_block_scales(module)
         if how.row and module.__dict__.get("bias") is not None:
             # the bias is added once, after the sum over "model"
             module.__dict__["_autoxla_row_bias"] = module.__dict__["bias"]
@@ -135,9 +143,28 @@ class Executor:
             args = (self._copy_to_model(args[0]),) + tuple(args[1:])
         return args, kwargs
 
+    def _row_block_scales(self, module) -> None:
+        """A quantized row linear's scales (and zero points or offsets) for this rank's block of
+        input columns. Where the plan splits them with the weight, the local pieces already match;
+        where it cannot (fewer blocks than model ranks, or one per-channel scale), each column
+        gets its block's value and this rank keeps its columns'."""
+        fmt = module.quant_format
+        columns = fmt.in_features // self.mesh.shape.model
+        start = self.mesh.device_mesh["model"].get_local_rank() * columns
+        for name in ("weight_scale", "weight_zero_point", "weight_offset"):
+            value = module.__dict__.get(name)
+            if value is None or value.shape[-1] * fmt.block_size == columns:
+                continue
+            if fmt.ragged:
+                raise NotImplementedError(
+                    f"{fmt.label} has a shorter last block, which a row linear split over "
+                    "'model' on the dtensor runtime does not handle yet: use a block size that "
+                    "divides the layer's input features, or sharding_strategy='fsdp'")
+            module.__dict__[name] = per_column(value, fmt)[..., start:start + columns]
+
     def _release(self, names, how, module, args, kwargs, output):
-        for name in names:
-            module.__dict__.pop(name, None)
+        for holder, name in names:
+            holder.__dict__.pop(name, None)
         if how.row:
             output = self._sum_over_model(output)
             bias = module.__dict__.pop("_autoxla_row_bias", None)
