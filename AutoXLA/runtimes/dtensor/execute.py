@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ...planning.plan import Plan
 from ...quantization.packing import per_column
 from ...sharding import rules
+from ...sharding.decoder_stack import find_stack
 from ...sharding.mesh import AXES
 from .mesh import PlanMesh
 from .placements import axes_of, compute_placements
@@ -79,6 +80,39 @@ def tensor_parallel_blocks(model: nn.Module, plan: Plan) -> dict[str, ModuleExec
     return found
 
 
+def gathering_units(model: nn.Module, blocks: dict) -> set[str]:
+    """The decoder layers that gather all their tensors at once, as FSDP2 wraps them: one hook
+    pair per layer instead of one per module (bench/runtimes.py: the hooks of a 135M model's
+    ~270 modules cost ~8 % of a batch-1 decode step in one process), and one collective burst per
+    layer. Only layers with no tensor-parallel block inside: those keep a hook per module, which
+    sums the row linears' outputs over "model"."""
+    found = find_stack(model)
+    if found is None:
+        return set()
+    stack_path, layers = found
+    units = set()
+    for i, _ in enumerate(layers):
+        path = f"{stack_path}.{i}" if stack_path else str(i)
+        if not any(b == path or b.startswith(path + ".") for b in blocks):
+            units.add(path)
+    return units
+
+
+def _inside(path: str, units: set[str]) -> bool:
+    return any(path.startswith(u + ".") for u in units)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A DTensor a module computes with: where it lives, the placements the module needs it in,
+    and whether those differ from how it is stored (a collective each call)."""
+
+    holder: nn.Module
+    name: str
+    placements: tuple
+    gathered: bool
+
+
 class Executor:
     """The hooks that run ``model`` on ``mesh`` as the plan lays it out (see the module's text)."""
 
@@ -89,15 +123,23 @@ class Executor:
         # The batch axes as one mesh dimension: a gather over both is one collective, not two
         self.batch_mesh = mesh.device_mesh[BATCH_AXES]._flatten("batch")
         self._handles = []
+        units = gathering_units(model, self.blocks)
         for path, module in model.named_modules():
-            if getattr(module, "gathered_with_parent", False):
+            if getattr(module, "gathered_with_parent", False) or _inside(path, units):
                 continue
-            holders = [module] + [c for c in module.children()
-                                  if getattr(c, "gathered_with_parent", False)]
-            own = [(holder, n) for holder in holders
-                   for n, t in list(holder._parameters.items()) + list(holder._buffers.items())
-                   if isinstance(t, DTensor)]
+            if path in units:
+                holders = list(module.modules())
+            else:
+                holders = [module] + [c for c in module.children()
+                                      if getattr(c, "gathered_with_parent", False)]
             how = self.blocks.get(path, ModuleExecution())
+            keep = frozenset({"model"}) if how.tensor_parallel else frozenset()
+            own = []
+            for holder in holders:
+                for n, t in list(holder._parameters.items()) + list(holder._buffers.items()):
+                    if isinstance(t, DTensor):
+                        wanted = compute_placements(t.placements, AXES, keep)
+                        own.append(_Held(holder, n, wanted, wanted != tuple(t.placements)))
             if own:
                 self._handles.append(module.register_forward_pre_hook(
                     functools.partial(self._gather, own, how), with_kwargs=True))
@@ -105,13 +147,14 @@ class Executor:
                     functools.partial(self._release, own, how), with_kwargs=True))
 
     # -- parameters ------------------------------------------------------------------------
-    def _local(self, t: DTensor, how: ModuleExecution) -> torch.Tensor:
-        keep = frozenset({"model"}) if how.tensor_parallel else frozenset()
-        placements = compute_placements(t.placements, AXES, keep)
-        if not (torch.is_grad_enabled() and t.requires_grad):
-            if placements != tuple(t.placements):
-                t = t.redistribute(t.device_mesh, placements)
-            return t.to_local()
+    def _local(self, t: DTensor, held: "_Held", how: ModuleExecution, grad: bool) -> torch.Tensor:
+        placements = held.placements
+        if not (grad and t.requires_grad):
+            if held.gathered:
+                return t.redistribute(t.device_mesh, placements).to_local()
+            # Nothing to gather and no gradient: the local piece itself, without to_local's
+            # dispatch (bench/runtimes.py: a decode step reads every tensor)
+            return t._local_tensor
         # Redistributed even when the placements already match: the redistribution's backward is
         # what brings the gradient to the parameter's placements (a replicated parameter's
         # gradient, partial over the batch ranks, is summed there)
@@ -126,12 +169,13 @@ class Executor:
                 grads.append(Partial() if how.tensor_parallel else Replicate())
         return value.to_local(grad_placements=grads)
 
-    def _gather(self, names, how, module, args, kwargs):
-        for holder, name in names:   # the module's own tensors, and those it reads of a child
-            tensor = holder._parameters.get(name)
+    def _gather(self, held, how, module, args, kwargs):
+        grad = torch.is_grad_enabled()
+        for h in held:   # the module's own tensors, and those it reads of a child
+            tensor = h.holder._parameters.get(h.name)
             if tensor is None:
-                tensor = holder._buffers[name]
-            holder.__dict__[name] = self._local(tensor, how)
+                tensor = h.holder._buffers[h.name]
+            h.holder.__dict__[h.name] = self._local(tensor, h, how, grad)
         if how.row and hasattr(module, "quant_format"):
             self._row_block_scales(module)
         if how.row and module.__dict__.get("bias") is not None:
@@ -163,8 +207,8 @@ class Executor:
             module.__dict__[name] = per_column(value, fmt)[..., start:start + columns]
 
     def _release(self, names, how, module, args, kwargs, output):
-        for holder, name in names:
-            holder.__dict__.pop(name, None)
+        for h in names:
+            h.holder.__dict__.pop(h.name, None)
         if how.row:
             output = self._sum_over_model(output)
             bias = module.__dict__.pop("_autoxla_row_bias", None)
