@@ -16,15 +16,17 @@
     autoxla generate PATH --prompt TEXT [--strategy fsdp] [--dtype bf16] [--bits 8|4
                  [--block-size N]] [--attention splash_attention] [--max-new-tokens 64]
                  [--do-sample [--temperature T] [--top-k K] [--top-p P]] [--seed S]
-                 [--compile-cache DIR]
+                 [--compile-cache DIR] [--runtime xla|dtensor [--nproc N]]
         Load sharded, stream the answer to stdout as it is generated, then a summary: load time,
-        programs compiled, compile time, prefill and decode tokens/s.
+        programs compiled, compile time, prefill and decode tokens/s. --runtime dtensor runs on
+        torch.distributed, one process per device: --nproc N starts them (docs/runtimes.md).
     autoxla serve PATH [--strategy fsdp] [--dtype bf16] [--bits 8|4] [--attention ...]
                  [--max-batch 8] [--max-prompt-tokens 512] [--max-tokens 256] [--max-queue 256]
                  [--request-timeout 600] [--drain-seconds 30] [--max-body-bytes N]
                  [--header-timeout 10] [--max-connections N] [--host 127.0.0.1] [--port 8000]
                  [--model-name NAME]
-        Load as generate does, compile every program the traffic can need (a progress bar),
+        Load as generate does (on the xla runtime only, so far), compile every program the
+        traffic can need (a progress bar),
         then serve /v1/completions, /v1/chat/completions (streaming or not), /v1/models,
         /health and /metrics with continuous batching (docs/serving.md).
     autoxla eval-quant PATH [--formats int8,w8a8,int4-b32,q8_0,q4_0,...] [--bits 8 4]
@@ -38,7 +40,8 @@
         what from_pretrained(do_quant=True) + save_pretrained would write, and loads as it is.
     autoxla doctor [PATH] [--seq S] [--batch B] [--strategy fsdp] [--compile-cache DIR] [--json]
     autoxla doctor --selftest          the Pallas kernels against eager (emulated off a TPU)
-        Versions, XLA devices (kind, count, SPMD), the C core's ISA, Pallas, the persistent
+        Versions, XLA devices (kind, count, SPMD), the runtimes usable here (xla, dtensor and
+        its device types), the C core's ISA, Pallas, the persistent
         compilation cache's self-test, and which attention kernel each layer of PATH can use.
     autoxla demo [--strategy 2d] [--devices 8] [--dir DIR]
         The main job end to end on a real trained model (SmolLM2-135M-Instruct, from the PyPI

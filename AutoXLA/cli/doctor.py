@@ -1,6 +1,7 @@
 """`autoxla doctor [PATH]`: what this machine and a checkpoint can use, and why not.
 
 Sections: versions, the C core (ABI, the ISA it selected), the XLA devices (kind, count, SPMD),
+the runtimes usable here (xla, dtensor and its device types),
 Pallas, the persistent compilation cache's self-test, whether a long-running process could run
 out of memory mappings and, for a checkpoint, which attention kernel each decoder layer can use. ``--selftest`` runs the Pallas kernels themselves (selftest.py). The XLA runtime starts only in child processes with a timeout, so a
 runtime that hangs (a TPU held by another process) is reported instead of hanging the command.
@@ -13,11 +14,12 @@ import subprocess
 import sys
 import tempfile
 
-from .. import __version__, _native
+from .. import __version__, _native, runtimes
 from ..attention import tpu
 from ..attention.config import AttentionConfig
 from ..generation import compile_cache as cc
 from ..modeling.empty import load_config
+from ..runtimes.dtensor.process import device_types
 from ..sharding.mesh import mesh_shape_for, normalize_strategy
 from . import selftest
 
@@ -81,6 +83,24 @@ def devices(timeout: float = _TIMEOUT) -> dict:
     else:
         d["pallas"] = "available"
     return {"ok": True, **d}
+
+
+def runtime_report() -> dict:
+    """Which runtimes (docs/runtimes.md) can run here and why not, and the dtensor runtime's
+    device types. Nothing starts: the answers come from what is installed."""
+    import torch
+
+    out = {"default": runtimes.default()}
+    for name in runtimes.NAMES:
+        out[name] = {"why_not": runtimes.unavailable(name)}
+    out["dtensor"]["device_types"] = device_types()
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    out["dtensor"]["torch"] = torch.__version__
+    out["dtensor"]["note"] = (
+        "" if (2, 11) <= version <= (2, 15) else
+        f"torch {torch.__version__} is outside TorchTPU's range (2.11 to 2.15); the dtensor "
+        "runtime is tested on 2.14.1 (./run dtensor, requirements-dtensor.lock)")
+    return out
 
 
 def compile_cache(directory: str | None) -> dict:
@@ -182,8 +202,13 @@ def attention(path, seq_len: int | None = None, batch: int | None = None,
 
 def collect(path=None, seq_len=None, batch=None, strategy="fsdp", cache_dir=None,
             timeout: float = _TIMEOUT) -> dict:
-    out = {"versions": versions(), "native": native(), "devices": devices(timeout)}
-    out["compile_cache"] = compile_cache(cache_dir)
+    out = {"versions": versions(), "native": native(), "devices": devices(timeout),
+           "runtimes": runtime_report()}
+    if out["runtimes"]["xla"]["why_not"] is None:
+        out["compile_cache"] = compile_cache(cache_dir)
+    else:   # torch_xla's cache: nothing to test without it (the dtensor runtime's environment)
+        out["compile_cache"] = {"directory": None, "reads_back": False,
+                                "detail": f"not tested: {out['runtimes']['xla']['why_not']}"}
     out["mappings"] = mappings()
     if path is not None:
         count = out["devices"].get("device_count") or 8
@@ -207,6 +232,16 @@ def describe(r: dict) -> str:
                   f"  Pallas: {d['pallas']}"]
     else:
         lines.append(f"  {d['error']}")
+    rt = r["runtimes"]
+    lines.append(f"runtimes (from_pretrained(runtime=...); default here: {rt['default']})")
+    for name in ("xla", "dtensor"):
+        why = rt[name]["why_not"]
+        lines.append(f"  {name}: {'usable' if why is None else 'NOT usable: ' + why}")
+    kinds = rt["dtensor"]["device_types"]
+    lines.append("  dtensor device types: " + "; ".join(
+        f"{k}: {'yes' if v is None else 'no (' + v + ')'}" for k, v in kinds.items()))
+    if rt["dtensor"]["note"]:
+        lines.append(f"  note: {rt['dtensor']['note']}")
     c = r["compile_cache"]
     where = c["directory"] or "a scratch directory"
     lines += ["persistent compilation cache",
@@ -284,4 +319,8 @@ def run(args) -> int:
                                     "or its config.json")
     r = collect(path, args.seq, args.batch, args.strategy, args.compile_cache, args.timeout)
     print(json.dumps(r, indent=1) if args.json else describe(r))
-    return 0 if r["native"]["ok"] and r["devices"]["ok"] else 1
+    # usable: the C core, and the XLA devices or, without torch_xla, the dtensor runtime
+    rt = r["runtimes"]
+    runnable = r["devices"]["ok"] or (rt["xla"]["why_not"] is not None
+                                      and rt["dtensor"]["why_not"] is None)
+    return 0 if r["native"]["ok"] and runnable else 1

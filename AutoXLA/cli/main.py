@@ -77,4 +77,5 @@ def _main(argv) -> int:
         verb.add_arguments(p)
         p.set_defaults(func=verb.run)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # to start it again (--nproc)
     return args.func(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from .. import backend
+from .. import backend, runtimes
 from ..loading.checkpoint import require_path_or_hub_id
 from ..modeling import AutoXLAModelForCausalLM
 from ..modeling.from_config import DTYPE_NAMES as dtypes
@@ -26,10 +26,42 @@ def add_model_arguments(p) -> None:
     p.add_argument("--compile-cache", default=None, help="directory of the persistent compile cache")
 
 
-def load_model(args, verb: str, purpose: str):
+def add_runtime_arguments(p) -> None:
+    """--runtime and --nproc: the verbs that run on either runtime (docs/runtimes.md)."""
+    p.add_argument("--runtime", choices=("xla", "dtensor"), default=None,
+                   help="xla (torch_xla) or dtensor (torch.distributed, one process per device); "
+                   "default: the installed one")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="dtensor runtime: processes to start on this machine, one per device "
+                   "(default 1; under torchrun, torchrun's)")
+
+
+def runtime_of(args) -> str:
+    name = runtimes.check_name(getattr(args, "runtime", None)) or runtimes.default()
+    nproc = getattr(args, "nproc", None)
+    if nproc is not None:
+        if name != "dtensor":
+            raise ValueError(f"--nproc {nproc} starts one process per device, which is the "
+                             "dtensor runtime's model: add --runtime dtensor (the xla runtime "
+                             "drives all of a host's devices from one process: --devices)")
+        if nproc < 1:
+            raise ValueError(f"--nproc {nproc}: give the number of processes (>= 1)")
+    return name
+
+
+def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtensor")):
     """(model, tokenizer, load seconds) for ``args`` of add_model_arguments; ``verb`` and
     ``purpose`` name the command and what it does in the errors."""
-    backend.use_cpu_devices(args.devices)
+    runtime = runtime_of(args)
+    if runtime not in runtimes_supported:
+        raise ValueError(f"autoxla {verb} runs on the xla runtime only so far, and this "
+                         f"environment has {runtime} (docs/runtimes.md): install torch_xla 2.9 "
+                         "(docs/install.md)")
+    if runtime == "xla":
+        backend.use_cpu_devices(args.devices)
+    elif args.attention != "eager" or args.compile_cache:
+        raise ValueError("--attention and --compile-cache are xla-runtime options; the dtensor "
+                         "runtime runs eager attention (docs/runtimes.md)")
     require_path_or_hub_id(args.path)
     if os.environ.get(SIMULATE_ENV):
         # One process standing in for one host of several loads only that host's shards: the
@@ -55,5 +87,5 @@ def load_model(args, verb: str, purpose: str):
     t0 = time.perf_counter()
     model = AutoXLAModelForCausalLM.from_pretrained(
         args.path, sharding_strategy=args.strategy, dtype=dtype, quantization_config=quant,
-        attn_implementation=args.attention, compile_cache=args.compile_cache)
+        attn_implementation=args.attention, compile_cache=args.compile_cache, runtime=runtime)
     return model, tokenizer, time.perf_counter() - t0

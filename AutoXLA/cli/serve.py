@@ -50,7 +50,7 @@ def run(args) -> int:
                          header_timeout=args.header_timeout,
                          max_connections=args.max_connections,
                          model_name=args.model_name or Path(args.path).name)
-    model, tokenizer, seconds = load_model(args, "serve", "serve")
+    model, tokenizer, seconds = load_model(args, "serve", "serve", runtimes_supported=("xla",))
     print(f"plan: {state_of(model).plan.summary()} (loaded in {seconds:.1f} s)", flush=True)
     serve(model, tokenizer, config, host=args.host, port=args.port)
     return 0

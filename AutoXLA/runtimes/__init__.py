@@ -63,5 +63,5 @@ def select(name: str | None = None) -> Runtime:
     name = check_name(name) or default()
     why = unavailable(name)
     if why:
-        raise RuntimeError(f"runtime {name!r} cannot run here: {why}")
+        raise ImportError(f"runtime {name!r} cannot run here: {why}")
     return XlaRuntime() if name == "xla" else DTensorRuntime()

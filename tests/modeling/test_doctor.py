@@ -37,7 +37,16 @@ def _doctor(*argv, tmp_path):
 def test_doctor_reports_devices_isa_and_kernels(gemma2, tmp_path):
     r = json.loads(_doctor(gemma2, "--seq", "600", "--batch", "3", "--strategy", "2d", "--json",
                            tmp_path=tmp_path))
-    assert set(r) == {"versions", "native", "devices", "compile_cache", "mappings", "attention"}
+    assert set(r) == {"versions", "native", "devices", "runtimes", "compile_cache", "mappings",
+                      "attention"}
+    # This environment has torch_xla (the default) and torch 2.9's torch.distributed: both
+    # runtimes import; gloo on the CPU, no GPU, no torch_tpu; 2.9 is outside TorchTPU's range
+    rt = r["runtimes"]
+    assert rt["default"] == "xla" and rt["xla"]["why_not"] is None
+    assert rt["dtensor"]["why_not"] is None
+    kinds = rt["dtensor"]["device_types"]
+    assert kinds["cpu"] is None and "torch_tpu is not installed" in kinds["tpu"]
+    assert "outside TorchTPU's range" in rt["dtensor"]["note"]
     assert r["versions"]["torch_xla"] and r["versions"]["python"] == sys.version.split()[0]
     assert r["native"]["isa"] == _native.best_isa()
     assert r["native"]["abi_version"] == _native.ABI_VERSION
@@ -60,7 +69,7 @@ def test_doctor_reports_devices_isa_and_kernels(gemma2, tmp_path):
 
 def test_doctor_text_report_and_a_kernel_that_fits(checkpoints, tmp_path):
     out = _doctor(checkpoints["llama"], "--seq", "512", tmp_path=tmp_path)
-    for section in ("versions", "C core", "devices", "persistent compilation cache",
+    for section in ("versions", "C core", "devices", "runtimes", "persistent compilation cache",
                     "attention kernels of"):
         assert f"\n{section}" in f"\n{out}", out
     assert f"ISA selected: {_native.best_isa()}" in out and "8 CPU device(s), SPMD on" in out

@@ -30,6 +30,20 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def device_types() -> dict[str, str | None]:
+    """device type -> None where this machine can run it, else why not (autoxla doctor)."""
+    import importlib.util
+
+    out = {"cpu": None if dist.is_gloo_available() else "this torch has no gloo backend"}
+    if not torch.cuda.is_available():
+        out["cuda"] = "no CUDA device visible to this torch"
+    else:
+        out["cuda"] = None if dist.is_nccl_available() else "this torch has no nccl backend"
+    out["tpu"] = (None if importlib.util.find_spec("torch_tpu") is not None else
+                  "torch_tpu is not installed (pip install torch_tpu on a TPU VM: TorchTPU)")
+    return out
+
+
 def ensure_process_group(kind: str | None = None) -> None:
     """Join the job's process group (once): from torchrun's environment, or a world of one."""
     if dist.is_initialized():
