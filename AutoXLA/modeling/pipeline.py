@@ -61,7 +61,11 @@ def resolve(path, auto_class, opts: LoadOptions, choices: Choices | None = None)
             "runtime) nor "
             "fields of the model's config; check the spelling")
     choices = choices or choose(config, opts)
-    config._attn_implementation = choices.attention
+    # The model's own attention ("eager": no TPU kernel) is transformers' eager code on the xla
+    # runtime; on the dtensor runtime it is transformers' default for the model (SDPA where the
+    # model supports it: PyTorch's fused kernels, as a user of plain transformers gets)
+    own = choices.attention == "eager" and opts.runtime == "dtensor"
+    config._attn_implementation = None if own else choices.attention
     moe.use_for(config)     # static-shape mixture-of-experts layers (moe.py)
     if choices.attention != "eager":
         register_attention()   # transformers must know the name before the model is built
