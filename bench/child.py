@@ -32,3 +32,19 @@ def run_json_child(args: list[str], limit: float, devices: int = 8) -> dict:
         return {"error": f"process died (exit {out.returncode}) after "
                          f"{time.perf_counter() - t0:.0f} s: {tail[0][:120]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def decode_checkpoints(models, tmp) -> dict[str, tuple[str, str]]:
+    """name -> (checkpoint, tokenizer directory or ""), for the decode benchmarks' ``models``:
+    the tiny Llama saved into ``tmp`` (token ids, no tokenizer), the real SmolLM2 (converted once)."""
+    sys.path.insert(0, str(ROOT))
+    from AutoXLA.testing.real_model import smollm2_checkpoint
+    from AutoXLA.testing.tiny import save_tiny_checkpoint
+
+    paths = {}
+    if "tiny" in models:
+        paths["tiny"] = (str(save_tiny_checkpoint("llama", Path(tmp) / "tiny")), "")
+    if "smollm2" in models:
+        real = str(smollm2_checkpoint())
+        paths["smollm2"] = (real, real)
+    return paths

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from child import run_json_child
+from child import decode_checkpoints, run_json_child
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is a city where"
@@ -134,20 +134,11 @@ def main() -> int:
         print(json.dumps(autoxla(model_path, tokenizer_path or None, a.batches, a.tokens,
                                  profile == "1")))
         return 0
-    sys.path.insert(0, str(ROOT))
-    from AutoXLA.testing.real_model import smollm2_checkpoint
-    from AutoXLA.testing.tiny import save_tiny_checkpoint
-
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; greedy, {a.tokens} new tokens after a 16-token "
           "(tiny) or 9-token (SmolLM2) prompt, fp32; AutoXLA under fsdp")
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {}
-        if "tiny" in a.models:
-            paths["tiny"] = (str(save_tiny_checkpoint("llama", Path(tmp) / "tiny")), "")
-        if "smollm2" in a.models:
-            real = str(smollm2_checkpoint())
-            paths["smollm2"] = (real, real)
+        paths = decode_checkpoints(a.models, tmp)
         print(f"{'model':<8} {'batch':>5} {'side':<22} {'tok/s':>8} {'host ms/tok':>11} "
               f"{'device ms/tok':>13}  note")
         for name, (path, tokenizer) in paths.items():

@@ -197,8 +197,7 @@ def main() -> int:
         print(json.dumps(result))
         return 0
 
-    from AutoXLA.testing.real_model import smollm2_checkpoint
-    from AutoXLA.testing.tiny import save_tiny_checkpoint
+    from child import decode_checkpoints
 
     xla_py = [sys.executable]
     dtensor_py = [str(ROOT / "run"), "dtensor"]
@@ -206,12 +205,7 @@ def main() -> int:
           f"{platform.python_version()}; greedy, {a.tokens} new tokens, fp32, strategy fsdp; "
           f"each dtensor rank uses cores/nproc threads")
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {}
-        if "tiny" in a.models:
-            paths["tiny"] = (str(save_tiny_checkpoint("llama", Path(tmp) / "tiny")), "")
-        if "smollm2" in a.models:
-            real = str(smollm2_checkpoint())
-            paths["smollm2"] = (real, real)
+        paths = decode_checkpoints(a.models, tmp)
         header = (f"{'model':<8} {'side':<30} {'load s':>7} {'peak MB':>8} "
                   + " ".join(f"{'b' + str(b) + ' tok/s':>11}" for b in a.batches) + "  notes")
         print(header)

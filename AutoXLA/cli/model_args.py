@@ -61,7 +61,7 @@ def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtenso
         backend.use_cpu_devices(args.devices)
     elif args.attention != "eager" or args.compile_cache:
         raise ValueError("--attention and --compile-cache are xla-runtime options; the dtensor "
-                         "runtime runs eager attention (docs/runtimes.md)")
+                         "runtime runs the model's own attention (transformers' default: docs/runtimes.md)")
     require_path_or_hub_id(args.path)
     if os.environ.get(SIMULATE_ENV):
         # One process standing in for one host of several loads only that host's shards: the
