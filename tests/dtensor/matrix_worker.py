@@ -77,18 +77,24 @@ def layout(model) -> tuple[list[str], int]:
     return wrong, expected_bytes
 
 
-def check_quantized(checkpoint, strategy, bits, ref) -> dict:
+def check_quantized(checkpoint, strategy, bits, ref, saved=None) -> dict:
     """int8 per channel or int4 in blocks of 32 (no scale search: the reference has none): the
     logits against transformers with every quantized weight replaced by its round trip through
-    tests/reference_quant.py, and against the float model (SQNR)."""
+    tests/reference_quant.py, and against the float model (SQNR). With ``saved``, the model is
+    that quantized checkpoint (written by `autoxla quantize`, the bytes the xla runtime's
+    save_pretrained writes) loaded as it is."""
     from AutoXLA.modeling import AutoXLAModelForCausalLM
     from AutoXLA.quantization import QuantizationConfig
     from tests.reference_quant import quantized_reference
 
-    cfg = QuantizationConfig(bits=bits, block_size=32 if bits == 4 else -1, scale_search=False)
-    model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
-                                                    runtime="dtensor", dtype=torch.float32,
-                                                    do_quant=True, quantization_config=cfg)
+    if saved:
+        model = AutoXLAModelForCausalLM.from_pretrained(saved, sharding_strategy=strategy,
+                                                        runtime="dtensor", dtype=torch.float32)
+    else:
+        cfg = QuantizationConfig(bits=bits, block_size=32 if bits == 4 else -1, scale_search=False)
+        model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
+                                                        runtime="dtensor", dtype=torch.float32,
+                                                        do_quant=True, quantization_config=cfg)
     wrong_layout, _ = layout(model)
     rounded = quantized_reference(reference_model(checkpoint), model)
     with torch.no_grad():
@@ -152,14 +158,15 @@ def main(out_dir: str, cases: str) -> None:
             path = os.path.join(out_dir, f"{case['name']}-{strategy}-{rank}.json")
             with open(path, "w") as f:
                 json.dump(result, f)
-        for strategy, bits in case.get("quantized", []):
+        for strategy, bits, saved in case.get("quantized", []):
             try:
-                result = check_quantized(case["checkpoint"], strategy, bits, ref)
+                result = check_quantized(case["checkpoint"], strategy, bits, ref, saved)
             except Exception as e:
                 result = dict(error=f"{type(e).__name__}: {e}")
                 import traceback
                 traceback.print_exc()
-            path = os.path.join(out_dir, f"{case['name']}-{strategy}-int{bits}-{rank}.json")
+            label = f"int{bits}-saved" if saved else f"int{bits}"
+            path = os.path.join(out_dir, f"{case['name']}-{strategy}-{label}-{rank}.json")
             with open(path, "w") as f:
                 json.dump(result, f)
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -35,6 +36,9 @@ CASES = [(a, s) for a in ARCHITECTURES for s in STRATEGIES]
 # and 2d; a dense model and a mixture of experts (experts split over fsdp).
 QUANTIZED = [(a, s, bits) for a in ("llama", "mixtral") for s in ("fsdp", "mp", "2d")
              for bits in (8, 4)]
+# A quantized checkpoint on disk, written by `autoxla quantize` (byte for byte what the xla
+# runtime's save_pretrained writes: tests/quantization/test_offline.py), loaded as it is
+SAVED = [("llama", s, 4) for s in ("2d", "mp")] + [("mixtral", "2d", 8)]
 # fp32 on both sides: the only differences are summation orders (row-parallel sums over "model",
 # other GEMM blockings for other batch splits), measured below 1e-5 on logits of scale ~1.
 LOGITS_RTOL = 1e-4
@@ -51,8 +55,11 @@ def matrix_checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, matrix_checkpoints):
     root = tmp_path_factory.mktemp("dtensor")
+    saved = {(a, bits): _quantize(matrix_checkpoints[a], root / f"{a}-int{bits}", bits)
+             for a, bits in sorted({(a, bits) for a, _, bits in SAVED})}
     cases = [dict(name=name, checkpoint=path, strategies=list(STRATEGIES),
-                  quantized=[(s, bits) for a, s, bits in QUANTIZED if a == name])
+                  quantized=[(s, bits, None) for a, s, bits in QUANTIZED if a == name]
+                  + [(s, bits, saved[name, bits]) for a, s, bits in SAVED if a == name])
              for name, path in matrix_checkpoints.items()]
     out = root / "results"
     out.mkdir()
@@ -63,6 +70,14 @@ def matrix(tmp_path_factory, matrix_checkpoints):
     def results(name, strategy):
         return [json.loads((out / f"{name}-{strategy}-{r}.json").read_text()) for r in range(RANKS)]
     return results
+
+
+def _quantize(source: str, target, bits: int) -> str:
+    args = ["--bits", str(bits), "--no-search"] + (["--block-size", "-1"] if bits == 8 else [])
+    out = subprocess.run([sys.executable, "-m", "AutoXLA.cli", "quantize", source, str(target),
+                          *args], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return str(target)
 
 
 @pytest.mark.parametrize("name,strategy", CASES)
@@ -91,12 +106,14 @@ def test_the_plan_is_the_xla_runtimes(matrix, matrix_checkpoints, name):
         assert ran == planned.to_json(), f"{name} {strategy}"
 
 
-@pytest.mark.parametrize("name,strategy,bits", QUANTIZED)
-def test_quantized_equals_the_round_tripped_reference(matrix, name, strategy, bits):
+@pytest.mark.parametrize("name,strategy,bits,label",
+                         [q + (f"int{q[2]}",) for q in QUANTIZED]
+                         + [q + (f"int{q[2]}-saved",) for q in SAVED])
+def test_quantized_equals_the_round_tripped_reference(matrix, name, strategy, bits, label):
     # The reference is transformers with each quantized weight replaced by its round trip
     # (tests/reference_quant.py, the C core's arithmetic in plain torch), so routing decisions
     # match too and the logits agree to fp32 summation order (the float cases' tolerance)
-    for rank, r in enumerate(matrix(name, f"{strategy}-int{bits}")):
+    for rank, r in enumerate(matrix(name, f"{strategy}-{label}")):
         assert "error" not in r, f"rank {rank}: {r.get('error')}"
         assert r["wrong_layout"] == [], f"rank {rank}: {r['wrong_layout'][:3]}"
         assert r["logits_diff"] <= LOGITS_RTOL * r["logits_scale"], (rank, r["logits_diff"])
