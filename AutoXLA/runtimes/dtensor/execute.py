@@ -3,7 +3,9 @@
 Every parameter stays a DTensor with the plan's placements (sharded over fsdp and model, as
 loaded). Each module gathers what it computes with just before it runs and drops it after (a
 pre- and a post-forward hook): over the batch axes always (FSDP: the whole parameter for the rows
-this rank holds), over the model axis unless the module is part of a tensor-parallel block.
+this rank holds), over the model axis unless the module is part of a tensor-parallel block. A
+decoder layer with no tensor-parallel block inside gathers its whole subtree at once, as FSDP2
+wraps a layer (``gathering_units``).
 
 A tensor-parallel block is a module whose linears the plan splits the Megatron way: every column
 linear by its output features over "model", every row linear by its input features (attention:
