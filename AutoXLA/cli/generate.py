@@ -37,6 +37,11 @@ def _prompt_ids(args, tokenizer):
     return tokenizer(text, return_tensors="pt", add_special_tokens=not templated)
 
 
+def _sampling(args) -> dict:
+    return {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
+                              ("top_p", args.top_p)) if v is not None}
+
+
 def _run_dtensor(args, model, tokenizer, load_seconds) -> int:
     """The dtensor runtime: every rank generates (their collectives need them all), rank 0
     prints. transformers' generate over the sharded modules (docs/runtimes.md): no compiled
@@ -50,8 +55,7 @@ def _run_dtensor(args, model, tokenizer, load_seconds) -> int:
     ids = _prompt_ids(args, tokenizer)
     if args.seed is not None:
         torch.manual_seed(args.seed)        # the same seed on every rank: the same samples
-    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
-                                  ("top_p", args.top_p)) if v is not None}
+    sampling = _sampling(args)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if first else None
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -72,17 +76,17 @@ def run(args) -> int:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: ask for at least 1")
     from transformers import TextStreamer
 
-    if runtime_of(args) == "dtensor" and (args.nproc or 1) > 1 and "RANK" not in os.environ:
+    runtime = runtime_of(args)
+    if runtime == "dtensor" and (args.nproc or 1) > 1 and "RANK" not in os.environ:
         # one process per device: this command again in each, as torchrun would start it
         codes = launch(args.nproc, ["-m", "AutoXLA.cli", *args.argv])
         return next((c for c in codes if c), 0)
     model, tokenizer, load_seconds = load_model(args, "generate", "generate text")
-    if runtime_of(args) == "dtensor":
+    if runtime == "dtensor":
         return _run_dtensor(args, model, tokenizer, load_seconds)
     print(f"plan: {state_of(model).plan.summary()}", flush=True)
     ids = _prompt_ids(args, tokenizer)
-    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k),
-                                  ("top_p", args.top_p)) if v is not None}
+    sampling = _sampling(args)
     compiles, compile_s = backend.compile_count(), backend.compile_seconds()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],

@@ -93,7 +93,7 @@ class Composite:
             grid = hosts.shard_grid(spec, mesh)
             of_device = hosts.device_blocks(spec, mesh)
             wanted = sorted({of_device[d] for d in host.devices})
-            boxes = {b: _block_box(shape, grid, b) for b in wanted}
+            boxes = {b: hosts.block_box(shape, grid, b) for b in wanted}
             blocks = _blocks_in_one_buffer({b: [hi - lo for lo, hi in box]
                                             for b, box in boxes.items()}, dtype)
             layouts[name] = (of_device, boxes, blocks)
@@ -171,16 +171,6 @@ def _blocks_in_one_buffer(shapes: dict, dtype: torch.dtype) -> dict:
         out[b] = buffer[at:at + sizes[b]].view(shape)
         at += sizes[b]
     return out
-
-
-def _block_box(shape, grid, block: int) -> list[tuple[int, int]]:
-    """[start, stop) per dim of grid block ``block`` (row-major) of a tensor of ``shape``."""
-    coords = []
-    for parts in reversed(grid):
-        coords.append(block % parts)
-        block //= parts
-    coords.reverse()
-    return [(c * (n // parts), (c + 1) * (n // parts)) for c, n, parts in zip(coords, shape, grid)]
 
 
 def _intersect(a, b):

@@ -93,6 +93,17 @@ def device_blocks(spec: tuple, mesh) -> list[int]:
     return blocks
 
 
+def block_box(shape, grid, block: int) -> list[tuple[int, int]]:
+    """[start, stop) per dim of grid block ``block`` (row-major, as ``device_blocks`` numbers
+    them) of a tensor of ``shape``."""
+    coords = []
+    for parts in reversed(grid):
+        coords.append(block % parts)
+        block //= parts
+    coords.reverse()
+    return [(c * (n // parts), (c + 1) * (n // parts)) for c, n, parts in zip(coords, shape, grid)]
+
+
 def host_blocks(spec: tuple, mesh, host: Host) -> list[int]:
     """The blocks ``host``'s devices hold, each once, ascending: what the host reads. Blocks its
     devices share (a replicated dimension) are read once per host."""

@@ -50,11 +50,5 @@ def local_block(shape: tuple, device_mesh, placements: tuple) -> tuple[tuple, tu
 def planned_block(spec: tuple, mesh, shape: tuple, rank: int) -> tuple[tuple, tuple]:
     """(local shape, global offset) of ``rank``'s block under the plan's own layout
     (sharding/hosts.py, the layout the xla runtime's loader uses)."""
-    grid = hosts.shard_grid(spec, mesh)
-    block = hosts.device_blocks(spec, mesh)[rank]
-    local = tuple(s // g for s, g in zip(shape, grid))
-    index, offset = block, []
-    for parts, size in reversed(list(zip(grid, local))):
-        index, at = divmod(index, parts)
-        offset.append(at * size)
-    return local, tuple(reversed(offset))
+    box = hosts.block_box(shape, hosts.shard_grid(spec, mesh), hosts.device_blocks(spec, mesh)[rank])
+    return tuple(hi - lo for lo, hi in box), tuple(lo for lo, _ in box)
