@@ -27,6 +27,7 @@ class ModelState:
     last_generate: Any = None    # generation.loop.GenerateStats of the last generate call
     load: Any = None             # loading.execute.LoadStats: what loading read
     module: Any = None           # on an FSDPv2 wrapper: the model it wraps
+    runtime: Any = None          # the runtime executing it when not the xla one (runtimes/)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ModelState))

@@ -67,8 +67,9 @@ def _unstacked(model: nn.Module, named: list) -> list:
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
                     max_shard_size: int | str = _DEFAULT_SHARD, **ignored) -> None:
-    """Write ``model`` (sharded over XLA devices, or on the CPU) as a checkpoint AutoXLA and
-    transformers' config machinery read back. It replaces config.json, generation_config.json,
+    """Write ``model`` (sharded over XLA devices, DTensors over the dtensor runtime's processes,
+    or on the CPU) as a checkpoint AutoXLA and transformers' config machinery read back. On the
+    dtensor runtime every process calls it (a collective); process 0 writes. It replaces config.json, generation_config.json,
     model.safetensors, the index and the files the previous index names, and nothing else; a
     failure leaves the previous checkpoint (module docstring for the exact rules)."""
     from safetensors.torch import save_file
@@ -81,14 +82,27 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike,
     target.mkdir(parents=True, exist_ok=True)
     tensors = saved_tensors(inner)
     groups = shard_groups({n: t.numel() * t.element_size() for n, t in tensors.items()}, limit)
-    def write_shards(paths: list[Path], groups: list[list[str]]) -> None:
-        for path, group in zip(paths, groups):
-            # One shard at a time on the host: an XLA tensor's .cpu() gathers its shards.
-            host = {n: tensors[n].detach().to("cpu").contiguous() for n in group}
-            save_file(host, str(path), metadata={"format": "pt"})
-            del host
 
-    write_checkpoint(target, groups, write_shards, config_json(inner), generation_json(inner))
+    def write(copies) -> None:
+        """Called where the files are written; ``copies`` yields each group's whole tensors."""
+        def write_shards(paths: list[Path], groups: list[list[str]]) -> None:
+            for path, host in zip(paths, copies):
+                save_file(host, str(path), metadata={"format": "pt"})
+                del host
+
+        write_checkpoint(target, groups, write_shards, config_json(inner), generation_json(inner))
+
+    # The dtensor runtime gathers each tensor over its processes and writes on one of them
+    # (runtimes/dtensor/saving.py); on one process the tensors are copied here.
+    writer = getattr(state_of(inner).runtime, "write_whole", None) or write_whole_here
+    writer(tensors, groups, write)
+
+
+def write_whole_here(tensors: dict[str, torch.Tensor], groups: list[list[str]], write) -> None:
+    """``write`` with each group's tensors on the host, one group at a time (an XLA tensor's
+    .cpu() gathers its shards)."""
+    write({n: tensors[n].detach().to("cpu").contiguous() for n in group} for group in groups)
+
 
 def generation_json(model: nn.Module) -> str | None:
     """The model's generation_config.json text, or None when it has none."""

@@ -165,7 +165,8 @@ class TrainingCheckpoints:
         params = _named_state(model)
         state = {"model": params}
         manifest = {"format": FORMAT, "step": step, "model": _describe(params),
-                    "stacked": _stacked_names(model), **_model_files(model)}
+                    "stacked": _stacked_names(model), "saved_by": _saved_by(params),
+                    **_model_files(model)}
         if optimizer is not None:
             state["optimizer"], manifest["optimizer"] = _optimizer_state(model, optimizer)
         if any(_on_xla(t) for t in _leaves(state)):
@@ -192,8 +193,7 @@ class TrainingCheckpoints:
             return
         lock = open(self.directory / LOCK, "a+")
         if not _flock_now(lock):
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
+            holder = _holder(lock)
             lock.close()
             raise TrainingCheckpointError(
                 f"{self.directory} is being written by {holder}: a training-checkpoint directory "
@@ -281,13 +281,18 @@ class TrainingCheckpoints:
         # Everything DCP is about to read is there, whole: checked before the first byte lands in
         # the model, so a damaged step leaves the model and the optimizer as they were.
         problem = _missing_data(path, state)
+        gap = _version_gap(manifest)
+        if problem and gap:        # what a newer torch's metadata looks like to an older one
+            raise TrainingCheckpointError(f"step {step} cannot be read here: {problem} (in "
+                                          f"{path}); {gap}. The model and optimizer are untouched")
         if problem:
             others = [s for s in self.steps() if s != step]
             raise TrainingCheckpointError(f"step {step} is damaged: {problem} (in {path}); the "
                                           "model and optimizer are untouched. Restore another "
                                           f"step (restore(..., step=N); committed: {others})")
         _run_dcp("load", state, path, f"reading step {step} from {path} failed",
-                 "; the model may hold part of it: restore again (another step) before training on")
+                 f"{'; ' + gap if gap else ''}; the model may hold part of it: restore again "
+                 "(another step) before training on")
         if optimizer is not None:
             _load_optimizer(model, optimizer, manifest["optimizer"], state["optimizer"])
         return step
@@ -372,6 +377,18 @@ def _describe(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
             for n, t in tensors.items()}
 
 
+def _version_gap(manifest: dict) -> str:
+    """The torch versions apart, when the step was saved by another one ("" when not)."""
+    saved = manifest.get("saved_by") or {}
+    here = torch.__version__.split("+")[0]
+    if not saved.get("torch") or saved["torch"] == here:
+        return ""
+    return (f"it was saved by torch {saved['torch']} on the {saved.get('runtime')} runtime and "
+            f"this is torch {here}, whose torch.distributed.checkpoint may not read another "
+            "version's files. Restore it where it was saved, or export_safetensors() there and "
+            "load that checkpoint here (docs/runtimes.md)")
+
+
 def _check_same(saved: dict, now: dict, path: Path) -> None:
     missing = sorted(set(saved) - set(now))
     extra = sorted(set(now) - set(saved))
@@ -382,9 +399,18 @@ def _check_same(saved: dict, now: dict, path: Path) -> None:
             f"the model has {extra[:3]} the checkpoint lacks" if extra else "",
             f"{changed[0]} is {saved[changed[0]]} in the checkpoint but {now[changed[0]]} in the "
             "model" if changed else "") if part)
+        hint = ""
+        if any(".stacked." in n for n in missing) and not any(".stacked." in n for n in now):
+            hint = (" It was saved from a scanned decoder stack (scan_layers=True) and the model "
+                    "is not scanned: the dtensor runtime runs unscanned, so to move training "
+                    "between runtimes load with scan_layers=False on the xla runtime.")
+        elif any(".stacked." in n for n in extra) and not any(".stacked." in n for n in saved):
+            hint = (" The model is scanned (scan_layers=True) and the checkpoint was not: load "
+                    "with scan_layers=False.")
         raise TrainingCheckpointError(
             f"{path} was saved from a different model: {what}. Restore into the model loaded the "
-            "same way (same checkpoint, quantization and scan_layers; the mesh may differ)")
+            "same way (same checkpoint, quantization and scan_layers; the mesh and the runtime "
+            f"may differ).{hint}")
 
 
 def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
@@ -420,7 +446,8 @@ def _optimizer_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
                 "built over model.parameters()")
         state[name] = {k: v for k, v in entry.items() if isinstance(v, torch.Tensor)}
         described[name] = {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch."),
-                               "xla": _on_xla(v)} for k, v in state[name].items()}
+                               "xla": _on_xla(v), "dtensor": _is_dtensor(v)}
+                           for k, v in state[name].items()}
         scalars[name] = {k: v for k, v in entry.items() if not isinstance(v, torch.Tensor)}
     groups = []
     for g, saved in zip(optimizer.param_groups, sd["param_groups"]):
@@ -442,10 +469,14 @@ def _optimizer_templates(model: nn.Module, saved: dict) -> dict:
         out[name] = {}
         for key, d in entries.items():
             dtype = _dtype(d["dtype"])
-            if d["xla"] and list(p.shape) == d["shape"]:
+            # Laid out like its parameter when saved (sharded on XLA devices, or a DTensor): laid
+            # out like it now, on whichever runtime the model runs (DCP reshards into it)
+            like = (d["xla"] or d.get("dtensor", False)) and list(p.shape) == d["shape"]
+            if like:
                 t = torch.zeros_like(p, dtype=dtype)
-                backend.shard_like(t, p)
-            elif d["xla"]:
+                if _on_xla(p):
+                    backend.shard_like(t, p)
+            elif d["xla"] and _on_xla(p):
                 t = torch.zeros(d["shape"], dtype=dtype, device=p.device)
             else:
                 t = torch.zeros(d["shape"], dtype=dtype)
@@ -530,6 +561,20 @@ def _leaves(state):
 
 def _on_xla(t: torch.Tensor) -> bool:
     return t.device.type == "xla"
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _saved_by(tensors: dict[str, torch.Tensor]) -> dict:
+    """Which runtime and torch wrote a step: named when another one cannot read it."""
+    leaves = list(tensors.values())
+    runtime = ("xla" if any(_on_xla(t) for t in leaves) else
+               "dtensor" if any(_is_dtensor(t) for t in leaves) else "cpu")
+    return {"runtime": runtime, "torch": torch.__version__.split("+")[0]}
 
 
 @contextlib.contextmanager
@@ -690,6 +735,20 @@ def _first_line(e: BaseException) -> str:
             if "Error" in line or "Exception" in line:
                 return line[:300]
     return (lines[0] if lines else type(e).__name__)[:300]
+
+
+def _holder(lock) -> str:
+    """Who holds ``lock``: the line it writes just after taking it (read again for up to half a
+    second, since a refused writer can look between the two)."""
+    import time
+
+    for _ in range(10):
+        lock.seek(0)
+        holder = lock.read().strip()
+        if holder:
+            return holder
+        time.sleep(0.05)
+    return "another process"
 
 
 def _flock_now(lock) -> bool:

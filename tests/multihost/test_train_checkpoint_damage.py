@@ -165,6 +165,27 @@ def test_a_damaged_step_leaves_model_and_optimizer_as_they_were(tmp_path, damage
     assert saves.restore(other, other_opt, step=2) == 2       # the earlier step still works
 
 
+def test_metadata_another_torch_cannot_read_names_both_versions(tmp_path):
+    # What an older torch meets in a newer one's DCP files (the two runtimes' torch 2.9 and
+    # 2.14.1 do read each other's: tests/dtensor/test_training.py): metadata it cannot unpickle,
+    # said as the version gap with what to do, not as damage
+    model, opt = _trained()
+    saves = TrainingCheckpoints(tmp_path)
+    saves.save(1, model, opt)
+    path = saves.path(1)
+    manifest = json.loads((path / "autoxla-train.json").read_text())
+    assert manifest["saved_by"] == {"runtime": "cpu", "torch": torch.__version__.split("+")[0]}
+    manifest["saved_by"] = {"runtime": "dtensor", "torch": "9.1.0"}
+    (path / "autoxla-train.json").write_text(json.dumps(manifest))
+    (path / ".metadata").write_bytes(b"\x80\x05 not a pickle this torch reads")
+    before = _state(model, opt)
+    with pytest.raises(TrainingCheckpointError, match=r"step 1 cannot be read here: \.metadata "
+                       r"cannot be read .* saved by torch 9\.1\.0 on the dtensor runtime and "
+                       r"this is torch .* export_safetensors\(\) there"):
+        saves.restore(model, opt)
+    assert _same(before, _state(model, opt))
+
+
 @pytest.mark.parametrize("manifest, match", [
     ("[]", "a JSON list, not an object"),
     ("{", "cannot be read"),

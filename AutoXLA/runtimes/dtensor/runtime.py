@@ -7,13 +7,15 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from ... import saving
 from ...sharding.hosts import Host
 from ...sharding.mesh import MeshShape
 from ...state import record_state
 from . import process
-from .execute import Executor, run_on_the_mesh
+from .execute import Executor, checkpoint_layers, run_on_the_mesh
 from .mesh import PlanMesh, make_mesh
 from .placements import placements_for
+from .saving import write_from_one_process
 
 
 class DTensorRuntime:
@@ -65,8 +67,14 @@ class DTensorRuntime:
         if self.device_type == "cuda":
             torch.cuda.synchronize()
 
-    def finish(self, model, plan, mesh: PlanMesh):
+    def finish(self, model, plan, mesh: PlanMesh, gradient_checkpointing: bool = False):
         """Step 4 on this runtime: the modules gather their shards as they run (execute.py)."""
         run_on_the_mesh(model, Executor(model, plan, mesh))
-        record_state(model, plan=plan, mesh=mesh)
-        return model
+        if gradient_checkpointing:
+            checkpoint_layers(model)
+        record_state(model, plan=plan, mesh=mesh, runtime=self)
+        return saving.attach(model)      # save_pretrained gathers and writes once (write_whole)
+
+    def write_whole(self, tensors: dict, groups: list[list[str]], write) -> None:
+        """saving/pretrained.py's writer on this runtime: see saving.py."""
+        write_from_one_process(tensors, groups, write)
