@@ -110,7 +110,6 @@ class LoadOptions:
         asked = {"attn_implementation": self.attn_implementation != "eager",
                  "mesh": self.mesh is not None, "multislice": self.multislice is not None,
                  "use_fsdp_wrap": self.use_fsdp_wrap, "xla_patch_linear": self.xla_patch_linear,
-                 "gradient_checkpointing": self.gradient_checkpointing,
                  "calibration": self.calibration is not None,
                  "compile_cache": self.compile_cache is not None}
         asked["scan_layers=True"] = self.scan_layers is True

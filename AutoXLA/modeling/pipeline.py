@@ -241,7 +241,7 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     load(resolved.model, plan, mesh, checkpoint, opts.verbose, smoothing,  # 3. load (+ quantize)
          runtime=runtime)
     if runtime.name == "dtensor":       # 4. each module gathers its shards as it runs
-        return runtime.finish(resolved.model, plan, mesh)
+        return runtime.finish(resolved.model, plan, mesh, opts.gradient_checkpointing)
     return _finish(resolved, plan, mesh, opts)                              # 4. patch, 5. wrap
 
 

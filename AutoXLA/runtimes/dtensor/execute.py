@@ -100,6 +100,11 @@ def gathering_units(model: nn.Module, blocks: dict) -> set[str]:
     return units
 
 
+def _holders(module: nn.Module) -> list[nn.Module]:
+    """The modules whose tensors ``module`` gathers: itself and children gathered with it."""
+    return [module] + [c for c in module.children() if getattr(c, "gathered_with_parent", False)]
+
+
 def _inside(path: str, units: set[str]) -> bool:
     return any(path.startswith(u + ".") for u in units)
 
@@ -125,28 +130,63 @@ class Executor:
         # The batch axes as one mesh dimension: a gather over both is one collective, not two
         self.batch_mesh = mesh.device_mesh[BATCH_AXES]._flatten("batch")
         self._handles = []
+        self._inside_registered = set()
         units = gathering_units(model, self.blocks)
         for path, module in model.named_modules():
             if getattr(module, "gathered_with_parent", False) or _inside(path, units):
                 continue
             if path in units:
-                holders = list(module.modules())
+                own = self._held(list(module.modules()), ModuleExecution())
+                if own:
+                    self._hook(module, functools.partial(self._gather_unit, own, path),
+                               functools.partial(self._release, own, ModuleExecution()))
             else:
-                holders = [module] + [c for c in module.children()
-                                      if getattr(c, "gathered_with_parent", False)]
-            how = self.blocks.get(path, ModuleExecution())
-            keep = frozenset({"model"}) if how.tensor_parallel else frozenset()
-            own = []
-            for holder in holders:
-                for n, t in list(holder._parameters.items()) + list(holder._buffers.items()):
-                    if isinstance(t, DTensor):
-                        wanted = compute_placements(t.placements, AXES, keep)
-                        own.append(_Held(holder, n, wanted, wanted != tuple(t.placements)))
-            if own:
-                self._handles.append(module.register_forward_pre_hook(
-                    functools.partial(self._gather, own, how), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(
-                    functools.partial(self._release, own, how), with_kwargs=True))
+                self._hook_module(path, module)
+
+    def _held(self, holders, how: "ModuleExecution") -> list["_Held"]:
+        keep = frozenset({"model"}) if how.tensor_parallel else frozenset()
+        own = []
+        for holder in holders:
+            for n, t in list(holder._parameters.items()) + list(holder._buffers.items()):
+                if isinstance(t, DTensor):
+                    wanted = compute_placements(t.placements, AXES, keep)
+                    own.append(_Held(holder, n, wanted, wanted != tuple(t.placements)))
+        return own
+
+    def _hook(self, module, pre, post) -> None:
+        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+
+    def _hook_module(self, path: str, module, only_with_grad: bool = False) -> bool:
+        """One module gathering the tensors it holds (and those of children gathered with it)."""
+        how = self.blocks.get(path, ModuleExecution())
+        own = self._held(_holders(module), how)
+        if not own:
+            return False
+        pre, post = self._gather, self._release
+        if only_with_grad:
+            pre, post = _with_grad_only(pre), _with_grad_only(post)
+        self._hook(module, functools.partial(pre, own, how), functools.partial(post, own, how))
+        return True
+
+    def _gather_unit(self, held, path, module, args, kwargs):
+        """A gathering unit's pre-hook. Without gradients (generation) the whole layer gathers at
+        once. With them each module inside gathers for itself, inside the layer's forward: that is
+        where transformers' gradient checkpointing recomputes it in the backward pass (it
+        checkpoints ``forward``, not the hooks around it), and the recomputation has to gather
+        again. Those hooks are added at the layer's first forward with gradients."""
+        if not torch.is_grad_enabled():
+            return self._gather(held, ModuleExecution(), module, args, kwargs)
+        if path not in self._inside_registered:
+            self._inside_registered.add(path)
+            for sub, child in module.named_modules():
+                if sub and not getattr(child, "gathered_with_parent", False):
+                    self._hook_module(f"{path}.{sub}", child, only_with_grad=True)
+            # The layer's own tensors (if it holds any): hooked from its next call, gathered now
+            if self._hook_module(path, module, only_with_grad=True):
+                return self._gather(self._held(_holders(module), ModuleExecution()),
+                                    ModuleExecution(), module, args, kwargs)
+        return None
 
     # -- parameters ------------------------------------------------------------------------
     def _local(self, t: DTensor, held: "_Held", how: ModuleExecution, grad: bool) -> torch.Tensor:
@@ -267,6 +307,16 @@ class Executor:
         self._handles.clear()
 
 
+def _with_grad_only(hook):
+    """``hook`` for the forwards that record gradients; the others run without it."""
+    @functools.wraps(hook)
+    def wrapped(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return hook(*args, **kwargs)
+        return None
+    return wrapped
+
+
 def run_on_the_mesh(model: nn.Module, executor: Executor) -> None:
     """Give ``model`` a forward that takes the global batch on every process (see the module's
     text): rows split over the batch axes where they divide, logits and loss whole again."""
@@ -297,6 +347,21 @@ def run_on_the_mesh(model: nn.Module, executor: Executor) -> None:
             return out
 
     model.forward = parallel_forward
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Gradient checkpointing, transformers' own (non-reentrant torch.utils.checkpoint per decoder
+    layer): in training mode each layer's activations are recomputed in the backward pass, and
+    with them its gathered parameters (the gathering hooks run again inside the recomputation),
+    so neither is held between the passes."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing=True: {type(model).__name__} does not support "
+                         "transformers' gradient checkpointing; load without it")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.25's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _is_rows(value, batch: int) -> bool:
