@@ -6,15 +6,14 @@ spent compiling, prefill and decode throughput.
 """
 from __future__ import annotations
 
-import os
 import time
 
 from .. import backend
 from ..runtimes.dtensor import process
-from ..runtimes.dtensor.launch import launch
 from ..state import state_of
 from ..testing.real_model import chat_prompt
-from .model_args import add_model_arguments, add_runtime_arguments, load_model, runtime_of
+from .model_args import (add_model_arguments, add_runtime_arguments, load_model, runtime_of,
+                         started_per_device)
 
 
 def add_arguments(p) -> None:
@@ -77,10 +76,10 @@ def run(args) -> int:
     from transformers import TextStreamer
 
     runtime = runtime_of(args)
-    if runtime == "dtensor" and (args.nproc or 1) > 1 and "RANK" not in os.environ:
-        # one process per device: this command again in each, as torchrun would start it
-        codes = launch(args.nproc, ["-m", "AutoXLA.cli", *args.argv])
-        return next((c for c in codes if c), 0)
+    if runtime == "dtensor":
+        started = started_per_device(args, args.nproc)
+        if started is not None:
+            return started
     model, tokenizer, load_seconds = load_model(args, "generate", "generate text")
     if runtime == "dtensor":
         return _run_dtensor(args, model, tokenizer, load_seconds)

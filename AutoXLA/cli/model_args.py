@@ -49,6 +49,18 @@ def runtime_of(args) -> str:
     return name
 
 
+def started_per_device(args, nproc: int | None) -> int | None:
+    """On the dtensor runtime with ``nproc`` > 1 and not already one of a job's processes: this
+    command again in ``nproc`` processes, one per device, as torchrun would start it; their first
+    failing exit code (0 when all passed). None: run here."""
+    if (nproc or 1) <= 1 or "RANK" in os.environ:
+        return None
+    from ..runtimes.dtensor.launch import launch
+
+    codes = launch(nproc, ["-m", "AutoXLA.cli", *args.argv])
+    return next((c for c in codes if c), 0)
+
+
 def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtensor")):
     """(model, tokenizer, load seconds) for ``args`` of add_model_arguments; ``verb`` and
     ``purpose`` name the command and what it does in the errors."""

@@ -42,6 +42,17 @@ def test_generate_on_two_processes_streams_transformers_answer():
     assert out.stdout.count("plan: ") == 1          # rank 0 alone prints
 
 
+def test_the_demo_on_the_dtensor_runtime():
+    # `./run demo`'s second half: SmolLM2 over 2 processes (2d), tokens equal transformers',
+    # int8 above the demo's SQNR bar; rank 0 alone prints, the exit status is the checks'
+    out = _autoxla("demo", "--runtime", "dtensor", timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "OK: the dtensor runtime's generation equals plain transformers" in out.stdout, out.stdout
+    assert "OK: int8 on the dtensor runtime" in out.stdout, out.stdout
+    assert "on 2 process(es) (dtensor runtime, cpu)" in out.stdout
+    assert out.stdout.count("plan: ") == 1
+
+
 @pytest.mark.parametrize("args,message", [
     (["--runtime", "xla"], "runtime 'xla' cannot run here: torch_xla is not installed"),
     (["--runtime", "dtensor", "--nproc", "0"], "--nproc 0"),

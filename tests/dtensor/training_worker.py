@@ -1,0 +1,98 @@
+"""One rank of the dtensor runtime's training and saving checks (tests/dtensor/test_training.py).
+
+``first`` (8 ranks, fsdp, gradient checkpointing): save_pretrained of the model as loaded, of an
+int4 model; then AdamW steps 1-2 on the job's fixed batches, a TrainingCheckpoints commit of
+step 2, steps 3-4. ``resume`` (4 ranks, 2d: another mesh and world size): for each step-2
+directory given (the dtensor runtime's, the xla runtime's), the model and AdamW restored, steps 3-4.
+Each rank writes OUT/<mode>-<rank>.json: the losses, and how often a decoder layer ran per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def load(checkpoint: str, strategy: str, **kwargs):
+    from AutoXLA.modeling import AutoXLAModelForCausalLM
+
+    return AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
+                                                   runtime="dtensor", dtype=torch.float32, **kwargs)
+
+
+def steps(model, optimizer, batches) -> list[float]:
+    """One AdamW step per batch (the batch as input and labels); the losses before each step."""
+    losses = []
+    for ids in batches:
+        ids = torch.tensor(ids)
+        optimizer.zero_grad()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def first(job: dict, out: str) -> dict:
+    from AutoXLA.quantization import QuantizationConfig
+    from AutoXLA.saving import TrainingCheckpoints
+    from AutoXLA.sharding.decoder_stack import find_stack as layers_of
+
+    # What users save right after loading: float, and int4 quantized as it loads
+    model = load(job["checkpoint"], "fsdp", gradient_checkpointing=True)
+    model.save_pretrained(os.path.join(out, "saved-float"))
+    quantized = load(job["checkpoint"], "2d", do_quant=True, quantization_config=QuantizationConfig(
+        bits=4, block_size=32, scale_search=False))
+    quantized.save_pretrained(os.path.join(out, "saved-int4"))
+    del quantized
+
+    # Training, with gradient checkpointing: a decoder layer's MLP runs twice a step (its forward, and
+    # again in the backward pass), each time gathering its parameters
+    model.train()
+    calls = []
+    _, layers = layers_of(model)
+    # (transformers checkpoints the layer's forward, so its submodules are called again)
+    layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
+    losses = steps(model, optimizer, job["batches"][:2])
+    TrainingCheckpoints(job["dtensor_steps"]).save(2, model, optimizer)
+    losses += steps(model, optimizer, job["batches"][2:])
+    return dict(losses=losses, layer_calls_per_step=len(calls) / len(job["batches"]))
+
+
+def resume(job: dict, out: str) -> dict:
+    from AutoXLA.saving import TrainingCheckpoints, TrainingCheckpointError
+
+    result = {}
+    for source in ("dtensor_steps", "xla_steps"):
+        model = load(job["checkpoint"], "2d")
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
+        try:
+            step = TrainingCheckpoints(job[source]).restore(model, optimizer)
+        except TrainingCheckpointError as e:
+            result[source] = dict(error=str(e))
+            continue
+        result[source] = dict(step=step, losses=steps(model, optimizer, job["batches"][step:]),
+                              mesh=str(model.autoxla_plan.mesh))
+    return result
+
+
+def main(mode: str, job_file: str, out: str) -> None:
+    from AutoXLA.runtimes.dtensor.process import ensure_process_group
+
+    ensure_process_group("cpu")
+    job = json.loads(open(job_file).read())
+    result = (first if mode == "first" else resume)(job, out)
+    with open(os.path.join(out, f"{mode}-{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
