@@ -18,6 +18,7 @@ import torch
 from .. import backend
 from ..modeling import AutoXLAModelForCausalLM
 from ..quantization import QuantizationConfig
+from ..runtimes.dtensor import process
 from ..state import state_of
 from ..testing.real_model import chat_prompt, smollm2_checkpoint
 from .model_args import add_runtime_arguments, runtime_of, started_per_device
@@ -131,8 +132,6 @@ def run_dtensor_demo(cache_dir=None, strategy: str = "2d") -> bool:
     first prints): SmolLM2 sharded over the processes, its greedy answer streamed and checked
     against transformers, then int8 as it loads with its logits' SQNR."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
-
-    from ..runtimes.dtensor import process
 
     process.ensure_process_group()
     first = process.rank() == 0

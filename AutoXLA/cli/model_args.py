@@ -10,6 +10,7 @@ from ..loading.checkpoint import require_path_or_hub_id
 from ..modeling import AutoXLAModelForCausalLM
 from ..modeling.from_config import DTYPE_NAMES as dtypes
 from ..quantization import QuantizationConfig
+from ..runtimes.dtensor.launch import launch
 from ..sharding.hosts import SIMULATE_ENV
 
 
@@ -55,8 +56,6 @@ def started_per_device(args, nproc: int | None) -> int | None:
     failing exit code (0 when all passed). None: run here."""
     if (nproc or 1) <= 1 or "RANK" in os.environ:
         return None
-    from ..runtimes.dtensor.launch import launch
-
     codes = launch(nproc, ["-m", "AutoXLA.cli", *args.argv])
     return next((c for c in codes if c), 0)
 
