@@ -65,8 +65,8 @@ def prepare_model_for_checkpoint(model: nn.Module, dequantize: bool = True) -> n
             if d.experts:     # the experts module's [experts, ...] parameter, in its own layout
                 owner, _, leaf = name.rpartition(".")
                 state[name] = w.transpose(1, 2) if plain.get_submodule(owner).is_transposed else w
-            else:
-                state[f"{name}.weight"] = w
+            else:       # a Conv1D's back in its (in, out) layout
+                state[f"{name}.weight"] = w.t().contiguous() if d.transposed else w
     _, unexpected = plain.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"internal error: {type(inner).__name__} holds {unexpected[:5]}, which "

@@ -190,7 +190,8 @@ def quantized_reference(ref, model):
             else:
                 owner, _, leaf = n.rpartition(".")
                 weight = getattr(ref.get_submodule(owner), leaf)
-            rows = weight.transpose(1, 2) if getattr(m, "source_transposed", False) else weight
+            # gpt-oss's experts [E, in, out], a Conv1D's (in, out): transposed views
+            rows = weight.transpose(-2, -1) if getattr(m, "source_transposed", False) else weight
             shape = rows.shape
             q, scale, zp = quantize_reference(rows.reshape(-1, shape[-1]), fmt.bits, fmt.symmetric,
                                               fmt.block_size, fmt.torch_scale_dtype)

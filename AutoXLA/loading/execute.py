@@ -62,10 +62,19 @@ def loading_steps(model: nn.Module, plan: Plan, checkpoint, state=None,
     return steps
 
 
+def linear_rows(owner: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """A linear's float weight as the checkpoint stores it, as (out, in) rows: a Conv1D's
+    (GPT-2's, stored (in, out)) transposed; any other as it is."""
+    if getattr(owner, "source_transposed", False) and not getattr(owner, "num_experts", None):
+        return w.t().contiguous()
+    return w
+
+
 def quantize_weight(owner: nn.Module, w: torch.Tensor, label: str, importance=None,
                     stats: bool = True):
-    """A float weight as the checkpoint stores it, quantized by the C engine in its module's
-    format: a QuantizedExperts' [E, ...] parameter expert by expert, a linear's whole."""
+    """A float weight quantized by the C engine in its module's format: a QuantizedExperts'
+    [E, ...] parameter (as the checkpoint stores it) expert by expert, a linear's (out, in)
+    rows (``linear_rows``) whole."""
     if getattr(owner, "num_experts", None):
         return quantize_experts(w, owner, label)
     return quantize_tensor(w, owner.quant_format, label, importance=importance, stats=stats)
@@ -301,10 +310,13 @@ def _load_quantized(owner: nn.Module, t, plan: Plan, mesh, key: str, state, chec
     if not isinstance(key, str):               # experts stacked from one tensor per expert
         shards, read, q = _quantized_pieces(key, owner, leaves, checkpoint, mesh, host, label)
         stats.bytes_read += read
-    elif host.is_everything or smoothing is not None or state is not None or experts:
-        # (Experts are read whole on each host too: few, and split by expert, not by rows.)
+    elif (host.is_everything or smoothing is not None or state is not None or experts
+          or getattr(owner, "source_transposed", False)):
+        # (Experts are read whole on each host too: few, and split by expert, not by rows; so
+        # is a Conv1D's weight, whose rows are the checkpoint's columns.)
         w = _read_host(key, state, checkpoint, stats)
         check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+        w = linear_rows(owner, w)
         if smoothing is not None:  # in float32: quantize the product, not a bf16 rounding of it
             w = smoothing.transform(t.name, w.float())
         q = quantize(w, importance)

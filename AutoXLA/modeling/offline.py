@@ -137,8 +137,8 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
         if step.quantize:
             w = execute.read_whole(key, checkpoint)
             execute.check_shape(t, tuple(w.shape), key, expected=t.source_shape)
-            q = execute.quantize_weight(step.owner, w, f"{t.name} (checkpoint tensor {key!r})",
-                                        stats=False)
+            q = execute.quantize_weight(step.owner, execute.linear_rows(step.owner, w),
+                                        f"{t.name} (checkpoint tensor {key!r})", stats=False)
             del w
             prefix = t.name.rpartition(".")[0]
             for part, value in stored_tensors(q).items():

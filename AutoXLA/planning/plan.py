@@ -362,6 +362,8 @@ def _quant_fields(name: str, report) -> dict:
                       pallas_tuned=tuple(decision.pallas_tuned))
         if decision.experts:   # QuantizedExperts: made from the float [experts, ...] parameter
             fields.update(source_shape=tuple(decision.source_shape), source_name=prefix)
+        elif decision.transposed:   # a Conv1D's weight, stored (in, out)
+            fields.update(source_shape=tuple(decision.source_shape))
         return fields
     if leaf in rules.QUANT_SIDECARS:
         return dict(quant=fmt.label, derived_from=f"{prefix}.weight" if prefix else "weight")

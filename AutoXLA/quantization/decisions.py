@@ -32,6 +32,7 @@ class LayerDecision:
     median_sqnr_db: float | None = None
     experts: int = 0                # a mixture-of-experts projection of this many experts
     source_shape: tuple[int, ...] = ()   # its float parameter's shape, as a checkpoint holds it
+    transposed: bool = False        # a Conv1D (GPT-2): the float weight is stored (in, out)
     # TPU generations where torch_xla tuned Pallas tiles for this layer (pallas_tiles.py); on
     # the others its Pallas backend gives way to the next one
     pallas_tuned: tuple[int, ...] = ()
@@ -130,7 +131,8 @@ def decide(cfg: QuantizationConfig, model: nn.Module, tied: dict[str, str] | Non
     for name, m in model.named_modules():
         if is_experts(m):
             _plan_experts(cfg, name, m, report, matched)
-        if not isinstance(m, nn.Linear):
+        conv1d = is_conv1d(m)
+        if not (isinstance(m, nn.Linear) or conv1d):
             continue
         if id(m) in read_directly:
             report.skipped[name] = ("nn.MultiheadAttention reads its out_proj weight directly, "
@@ -147,14 +149,18 @@ def decide(cfg: QuantizationConfig, model: nn.Module, tied: dict[str, str] | Non
         if f"{name}.weight" in tied_names:
             report.skipped[name] = "its weight is tied to another tensor (quantizing would untie it)"
             continue
-        fmt = cfg.layer_format(name, m.in_features, m.out_features)
+        in_features, out_features = (m.weight.shape if conv1d
+                                     else (m.in_features, m.out_features))
+        fmt = cfg.layer_format(name, in_features, out_features)
         act_wanted = cfg.quantize_activation and not cfg.float_activations(name)
         backend, passed_over = choose(fmt, cfg, on_tpu, name, m.weight.dtype, act_wanted)
         if cfg.use_pallas and backend != "pallas":
             pallas_refused.append(passed_over[0] if passed_over else backend)
         act = (cfg.quantize_activation and backend in ACTIVATION_QUANT
                and not cfg.float_activations(name))
-        report.layers[name] = LayerDecision(name, fmt, backend, passed_over, act)
+        report.layers[name] = LayerDecision(name, fmt, backend, passed_over, act,
+                                            source_shape=tuple(m.weight.shape) if conv1d else (),
+                                            transposed=conv1d)
         if fmt.symmetric and fmt.per_channel:   # what the Pallas kernel would do on each TPU
             report.layers[name].pallas_tuned = pallas_tiles.tuned_generations(
                 fmt.out_features, fmt.in_features, m.weight.dtype, act_wanted)
@@ -179,7 +185,14 @@ def decide(cfg: QuantizationConfig, model: nn.Module, tied: dict[str, str] | Non
                f"does not quantize activations: {len(no_act)} layer(s) keep float activations")
         report.warnings.append(msg)
         warnings.warn(msg, stacklevel=3)
+    if not report.layers:
+        msg = (f"quantization was asked for, but no layer of {type(model).__name__} is quantized: "
+               "the model stays in full precision (the report, model.autoxla_quantization, says "
+               f"why each of its {len(report.skipped)} candidate(s) was kept)")
+        report.warnings.append(msg)
+        warnings.warn(msg, stacklevel=3)
     return report
+
 
 def _plan_experts(config: QuantizationConfig, name: str, module: nn.Module, report,
                   matched: set) -> None:
@@ -200,6 +213,14 @@ def _plan_experts(config: QuantizationConfig, name: str, module: nn.Module, repo
         report.layers[full] = LayerDecision(full, fmt, EXPERTS_BACKEND, [WHY_NO_KERNEL], False,
                                             experts=weight.shape[0],
                                             source_shape=tuple(weight.shape))
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2 and its family): a linear whose weight is stored (in, out),
+    computing x @ weight + bias. Quantized, it becomes a QuantizedLinear like any other, its
+    weight transposed to (out, in) rows before the C engine sees it."""
+    return (type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+            and getattr(module, "weight", None) is not None and module.weight.dim() == 2)
+
 
 def _plan_embeddings(config: QuantizationConfig, model: nn.Module, tied_names: set[str], report,
                      matched: set) -> None:

@@ -22,6 +22,10 @@ from .config import LayerFormat
 from .packing import dequantize
 
 class QuantizedLinear(nn.Module):
+    # True where the float weight it replaces is stored (in, out) (transformers' Conv1D): the
+    # loaders transpose it to rows before quantizing; what it stores is (out, in) either way
+    source_transposed = False
+
     def __init__(self, fmt: LayerFormat, bias: bool, backend: str, quantize_activation: bool = False,
                  dtype: torch.dtype = torch.float32, device=None):
         super().__init__()

@@ -112,7 +112,8 @@ class ModelQuantizer:
             table = d.backend == GATHER
             new = _quantized_table_like(old, d) if table else _quantized_like(old, d)
             if old.weight.device.type != "meta":
-                q = quantize_tensor(old.weight.detach().cpu(), d.fmt, name,
+                rows = old.weight.detach().cpu()
+                q = quantize_tensor(rows.t() if d.transposed else rows, d.fmt, name,
                                     importance=report.importance(name))
                 report.record_stats(name, q)
                 dev = old.weight.device
@@ -160,6 +161,7 @@ def _quantized_like(old: nn.Linear, d: LayerDecision) -> QuantizedLinear:
     dtype = old.bias.dtype if old.bias is not None else old.weight.dtype
     new = QuantizedLinear(d.fmt, bias=old.bias is not None, backend=d.backend,
                           quantize_activation=d.activation_quant, dtype=dtype, device=dev)
+    new.source_transposed = d.transposed      # a Conv1D's float weight is (in, out)
     if old.bias is not None:
         new.bias.requires_grad_(old.bias.requires_grad)
     return new

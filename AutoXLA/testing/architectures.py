@@ -100,7 +100,7 @@ ARCHITECTURES = [
     # Cohere 2's pattern is 3 sliding layers and a global one.
     Architecture("Cohere 2", "Cohere2Config", dict(num_hidden_layers=8)),
     Architecture("StableLM", "StableLmConfig"),
-    Architecture("GPT-2", "GPT2Config", note="Conv1D layers, learned positions"),
+    Architecture("GPT-2", "GPT2Config", note="Conv1D layers (int8 and int4: quantized as transposed linears), learned positions"),
     Architecture("GPT-NeoX", "GPTNeoXConfig"),
     Architecture("Falcon", "FalconConfig", dict(new_decoder_architecture=True),
                  note="the new decoder architecture (Falcon-40B, 180B)"),

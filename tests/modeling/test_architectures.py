@@ -108,6 +108,29 @@ def test_architecture_int8(name, zoo, expected, xla_devices):
         assert sqnr_db(expected(name)[0], got) >= SQNR_FLOOR_DB[8], f"{name} int8 vs float"
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_conv1d_layers_are_quantized(bits, zoo, expected, xla_devices):
+    # GPT-2's linears are transformers' Conv1D, weight stored (in, out): each becomes a
+    # QuantizedLinear of the transposed rows (before, none was quantized and nothing said so).
+    # Reference: transformers with those weights replaced by their round trips, as above; then
+    # the dequantized copy for plain transformers puts each weight back in Conv1D's layout.
+    from AutoXLA.utils import prepare_model_for_checkpoint
+
+    cfg = QuantizationConfig(bits=bits, block_size=32 if bits == 4 else -1, scale_search=False)
+    model = quiet(AutoXLAModelForCausalLM.from_pretrained, zoo("GPT-2"), sharding_strategy="2d",
+                  do_quant=True, quantization_config=cfg)
+    leaves = {n.rsplit(".", 1)[-1] for n in model.autoxla_quantization.layers}
+    assert leaves == {"c_attn", "c_proj", "c_fc"}, leaves
+    ref = quantized_reference(_reference(zoo("GPT-2")), model)
+    with torch.no_grad():
+        want = ref(IDS).logits
+        got = model(IDS.to(backend.device())).logits.cpu()
+        plain = prepare_model_for_checkpoint(model)(IDS).logits
+    assert_close(got, want, what=f"GPT-2 int{bits} logits")
+    assert_close(plain, want, what=f"GPT-2 int{bits} dequantized for transformers")
+    assert sqnr_db(expected("GPT-2")[0], got) >= SQNR_FLOOR_DB[bits], f"GPT-2 int{bits} vs float"
+
+
 # Every expert layout (AutoXLA/testing/architectures.py, QUANTIZED_EXPERTS; docs/models.md's table says
 # the same). int4 in blocks of 32 without the scale search (tests/reference_quant.py has none).
 @pytest.mark.parametrize("name,bits", [(name, bits) for name, widths in QUANTIZED_EXPERTS.items()

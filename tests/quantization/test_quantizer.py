@@ -88,6 +88,17 @@ def test_exclude_layers_and_unmatched_pattern_warns():
     assert model.autoxla_quantization.skipped["layers.0.mlp.down_proj"].startswith("excluded")
 
 
+def test_quantizing_nothing_says_so():
+    # Every candidate excluded: the model stays float, and a warning says it (GPT-2's Conv1D
+    # layers were once skipped without a word)
+    model = Toy()
+    cfg = QuantizationConfig(n_bits=8, exclude_layers=["layers"])
+    with pytest.warns(UserWarning, match=r"no layer of Toy is quantized: the model stays in full "
+                                         r"precision .* each of its 7 candidate\(s\) was kept"):
+        ModelQuantizer(cfg).quantize_model(model)
+    assert not model.autoxla_quantization.layers
+
+
 def test_lm_head_quantized_when_asked_but_never_when_tied():
     model = Toy()
     _quiet(ModelQuantizer(QuantizationConfig(quantize_lm_head=True)).quantize_model, model)
