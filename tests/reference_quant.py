@@ -199,3 +199,25 @@ def quantized_reference(ref, model):
                                         fmt.block_size).reshape(shape)
             rows.copy_(back)      # a view of ``weight`` when transposed
     return ref
+
+
+def w8a8_reference(ref, model):
+    """``quantized_reference`` with each W8A8 layer's activations quantized as torch_xla's
+    quantized_matmul does (row scale max|x| / 127 over the whole row, rounded in fp32), the
+    products then exact in float64: the arithmetic every rank of a split layer must reproduce."""
+    from AutoXLA.quantization.linear import QuantizedLinear
+
+    ref = quantized_reference(ref, model)
+    for n, m in model.named_modules():
+        if isinstance(m, QuantizedLinear) and m.quantize_activation:
+            linear = ref.get_submodule(n)
+
+            def forward(x, linear=linear):
+                scale = x.abs().amax(dim=-1, keepdim=True) / 127
+                xq = torch.round(x / torch.where(scale == 0, 1.0, scale)).double()
+                out = (xq @ linear.weight.double().T) * scale.double()
+                if linear.bias is not None:
+                    out = out + linear.bias.double()
+                return out.to(x.dtype)
+            linear.forward = forward
+    return ref

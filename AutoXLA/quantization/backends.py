@@ -6,6 +6,9 @@ In the seed's order of preference:
   xla_op    torch.ops.xla.quantized_matmul: per-channel int8, symmetric or with a zero point
             (never with use_xla_kernel=False). Not int4 (torch_xla's int4 path copies the weight to the host on every call) and not
             blockwise (it wants an (in/bs, bs, out) layout of its own).
+  torch_int8  PyTorch's own int8 matmul (torch._int_mm) on dynamically quantized int8
+            activations: W8A8 where torch_xla is not installed (the dtensor runtime), for
+            per-channel formats (int4 unpacked to int8 values); with torch_xla's arithmetic.
   fallback  dequantize + matmul in plain torch ops, which XLA fuses: every format.
 A layer gets the first backend whose constraints it and the device meet (or the one the config
 names, if it can run it). The choice is recorded in the plan.
@@ -25,7 +28,7 @@ from . import pallas_tiles
 from .config import LayerFormat, QuantizationConfig
 from .packing import integer_weight
 
-ORDER = ("pallas", "xla_op", "fallback")
+ORDER = ("pallas", "xla_op", "torch_int8", "fallback")
 
 
 def _pallas_unmet(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu, dtype=None,
@@ -63,13 +66,27 @@ def _xla_op_unmet(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu, dtype=None,
     return None
 
 
+def _torch_int8_unmet(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu, dtype=None,
+                      activations: bool = False) -> str | None:
+    if not activations:
+        return "weight-only: it is for int8 activations (quantize_activation=True)"
+    if not fmt.per_channel:
+        return "per-channel formats only (one weight scale per output row, as torch_xla's op)"
+    if xla.has_quantized_matmul():
+        return "torch_xla is installed: its own op (xla_op) runs W8A8 there"
+    return None
+
+
 def _fallback_unmet(fmt, cfg, on_tpu, dtype=None, activations=False) -> str | None:
     return None
 
 
-_UNMET = {"pallas": _pallas_unmet, "xla_op": _xla_op_unmet, "fallback": _fallback_unmet}
+_UNMET = {"pallas": _pallas_unmet, "xla_op": _xla_op_unmet, "torch_int8": _torch_int8_unmet,
+          "fallback": _fallback_unmet}
 # Backends that quantize activations (dynamic, per row, int8) when asked.
-ACTIVATION_QUANT = frozenset({"pallas", "xla_op"})
+ACTIVATION_QUANT = frozenset({"pallas", "xla_op", "torch_int8"})
+# Backends only for layers whose activations are quantized.
+ACTIVATIONS_ONLY = frozenset({"torch_int8"})
 
 
 def choose(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu, layer: str = "", dtype=None,
@@ -84,6 +101,8 @@ def choose(fmt: LayerFormat, cfg: QuantizationConfig, on_tpu, layer: str = "", d
         return cfg.backend, []
     skipped = []
     for name in ORDER:
+        if name in ACTIVATIONS_ONLY and not activations:
+            continue    # not a candidate for weight-only layers (and not worth a note)
         unmet = _UNMET[name](fmt, cfg, on_tpu, dtype, activations)
         if unmet is None:
             return name, skipped
@@ -140,9 +159,45 @@ def _xla_op_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return _add_bias(out.reshape(*x.shape[:-1], layer.out_features).to(x.dtype), layer)
 
 
+# A runtime that splits a layer's input features over ranks (the dtensor runtime's row linears)
+# sets this attribute on the module while it runs: it takes each rank's per-row maximum |x| and
+# returns the whole row's, so every rank quantizes with the scale the unsplit layer would use.
+ROW_ABSMAX = "_autoxla_row_absmax"
+
+
+def _torch_int8_forward(layer, x: torch.Tensor) -> torch.Tensor:
+    """W8A8 with torch_xla's arithmetic (its quantized_matmul with quantize_activation=True):
+    each activation row scaled by max|x| / 127 and rounded to int8, in the activations' dtype
+    as torch_xla does (so a bf16 model quantizes alike on both runtimes), an int32 matmul, then
+    the weight's per-channel scale (and zero point or offset) and the row's scale in fp32."""
+    fmt = layer.quant_format
+    w = integer_weight(layer.weight, fmt).to(torch.int8)
+    x2 = x.reshape(-1, x.shape[-1])
+    absmax = x2.abs().amax(dim=-1, keepdim=True)
+    combine = layer.__dict__.get(ROW_ABSMAX)
+    if combine is not None:
+        absmax = combine(absmax)
+    x_scale = absmax / 127
+    # An all-zero row has scale 0: its integers are 0 and so is its output (before the bias)
+    # (in bf16 the row's maximum can round to 128: saturated, not wrapped to -128)
+    xq = torch.round(x2 / torch.where(x_scale == 0, 1.0, x_scale)).clamp(-128, 127).to(torch.int8)
+    out = torch._int_mm(xq, w.t()).to(torch.float32)
+    scale = layer.weight_scale.reshape(-1).to(torch.float32)
+    out = out * scale
+    if layer.weight_zero_point is not None:     # (q - zp) s: x (q s)^T - sum(x) zp s
+        zp = layer.weight_zero_point.reshape(-1).to(torch.float32) * scale
+        out = out - xq.sum(dim=-1, keepdim=True, dtype=torch.int32).to(torch.float32) * zp
+    elif layer.weight_offset is not None:       # q s + offset: x (q s)^T + sum(x) offset
+        offset = layer.weight_offset.reshape(-1).to(torch.float32)
+        out = out + xq.sum(dim=-1, keepdim=True, dtype=torch.int32).to(torch.float32) * offset
+    out = out * x_scale
+    return _add_bias(out.reshape(*x.shape[:-1], -1).to(x.dtype), layer)
+
+
 def _fallback_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.dequantized_weight(x.dtype), layer.bias)
 
 
 # The forward of each backend: (QuantizedLinear, x) -> y.
-FORWARD = {"pallas": _pallas_forward, "xla_op": _xla_op_forward, "fallback": _fallback_forward}
+FORWARD = {"pallas": _pallas_forward, "xla_op": _xla_op_forward,
+           "torch_int8": _torch_int8_forward, "fallback": _fallback_forward}

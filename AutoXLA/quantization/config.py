@@ -18,7 +18,7 @@ FORMATS_FORMAT_VERSION = 3
 READABLE_VERSIONS = (FORMAT_VERSION, EMBEDDINGS_FORMAT_VERSION, FORMATS_FORMAT_VERSION)
 QUANT_METHOD = "autoxla"
 BITS = (8, 4)
-BACKENDS = ("auto", "pallas", "xla_op", "fallback")
+BACKENDS = ("auto", "pallas", "xla_op", "torch_int8", "fallback")
 # The dtypes a scale can be stored in. bfloat16 is the default: float32's range (no weight can
 # overflow it) at half the bytes; float16 has 3 more mantissa bits (a finer scale, so less error,
 # measured in docs/quantization.md) but tops out at 65504; float32 costs twice the bytes.
@@ -135,7 +135,8 @@ class QuantizationConfig:
     exclude_layers: module names or patterns kept in full precision ("lm_head", "mlp.down_proj",
         "layers.0", "*.o_proj"); a pattern matches a whole name, a glob, or a run of dotted parts.
     quantize_lm_head: quantize the output projection too (off by default; tied heads stay float).
-    backend: "auto" (Pallas, then torch.ops.xla.quantized_matmul, then the dequantize+matmul
+    backend: "auto" (Pallas, then torch.ops.xla.quantized_matmul, then, for W8A8 without
+        torch_xla, PyTorch's torch._int_mm ("torch_int8"), then the dequantize+matmul
         fallback, the first whose constraints the layer and device meet) or one of them by name.
 
     Keywords of the original AutoXLA (docs/quantization.md):

@@ -22,6 +22,12 @@ COLUMN_NAMES = frozenset({
     "linear_1",   # vision-language projectors (Mistral 3, LLaVA): linear_1 -> act -> linear_2
     "layer1",     # SAM 3's DETR heads and scoring MLP: layer1 -> relu -> layer2 [-> layer3]
 })
+# Column linears that compute several projections in one output (q, k and v; gate and up) which
+# the model slices by position: a split of that output is not a split of each projection, so the
+# dtensor runtime computes their modules whole (runtimes/dtensor/execute.py); under GSPMD any
+# split is only a layout.
+FUSED_COLUMN_NAMES = frozenset({"qkv_proj", "qkv", "query_key_value", "gate_up_proj", "c_attn",
+                                "in_proj"})
 ROW_NAMES = frozenset({
     "o_proj", "out_proj", "down_proj", "fc2", "lin2", "linear2", "w2", "proj", "dense_4h_to_h",
     "c_proj", "wo",

@@ -1,7 +1,7 @@
 """One rank of the dtensor runtime's matrix (tests/dtensor/test_matrix.py starts 8 of them).
 
-For each architecture: transformers' model on the CPU in fp32 is the reference (every rank
-computes it, so no reference crosses a process boundary); for each strategy the checkpoint is
+For each architecture: transformers' model on the CPU in fp32 is the reference (``reference``,
+computed once by the test's own process and read here from CASE["reference"]); for each strategy the checkpoint is
 loaded with ``runtime="dtensor"`` and this rank writes what it saw to OUT/<arch>-<strategy>-<rank>.json:
 its placements and blocks against the plan (rank 0: the plan's JSON), the bytes it read, the logits' and the loss's
 differences, every gradient's, and whether 16 greedy tokens equal transformers'; and for the
@@ -77,32 +77,38 @@ def layout(model) -> tuple[list[str], int]:
     return wrong, expected_bytes
 
 
-def check_quantized(checkpoint, strategy, bits, ref, saved=None) -> dict:
+def check_quantized(checkpoint, strategy, bits, ref, saved=None, activations=False) -> dict:
     """int8 per channel or int4 in blocks of 32 (no scale search: the reference has none): the
     logits against transformers with every quantized weight replaced by its round trip through
     tests/reference_quant.py, and against the float model (SQNR). With ``saved``, the model is
     that quantized checkpoint (written by `autoxla quantize`, the bytes the xla runtime's
-    save_pretrained writes) loaded as it is."""
+    save_pretrained writes) loaded as it is. With ``activations``, W8A8 (int8 per channel):
+    the reference quantizes each linear's activation rows too, as torch_xla's op does."""
     from AutoXLA.modeling import AutoXLAModelForCausalLM
     from AutoXLA.quantization import QuantizationConfig
-    from tests.reference_quant import quantized_reference
+    from AutoXLA.quantization.linear import QuantizedLinear
+    from tests.reference_quant import quantized_reference, w8a8_reference
 
     if saved:
         model = AutoXLAModelForCausalLM.from_pretrained(saved, sharding_strategy=strategy,
                                                         runtime="dtensor", dtype=torch.float32)
     else:
-        cfg = QuantizationConfig(bits=bits, block_size=32 if bits == 4 else -1, scale_search=False)
+        cfg = QuantizationConfig(bits=bits, block_size=32 if bits == 4 else -1, scale_search=False,
+                                 quantize_activation=activations)
         model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
                                                         runtime="dtensor", dtype=torch.float32,
                                                         do_quant=True, quantization_config=cfg)
     wrong_layout, _ = layout(model)
-    rounded = quantized_reference(reference_model(checkpoint), model)
+    rounded = (w8a8_reference if activations else quantized_reference)(
+        reference_model(checkpoint), model)
     with torch.no_grad():
         got = model(ref["ids"]).logits
         want = rounded(ref["ids"]).logits
     return dict(wrong_layout=wrong_layout,
                 logits_diff=float((got - want).abs().max()), logits_scale=float(want.abs().max()),
-                sqnr_db=sqnr_db(ref["logits"], got))
+                sqnr_db=sqnr_db(ref["logits"], got), reference_sqnr_db=sqnr_db(want, got),
+                backends=sorted({m.backend for m in model.modules()
+                                 if isinstance(m, QuantizedLinear)}))
 
 
 def check(checkpoint, strategy, ref) -> dict:
@@ -147,7 +153,7 @@ def main(out_dir: str, cases: str) -> None:
     ensure_process_group("cpu")
     rank = dist.get_rank()
     for case in json.loads(cases):
-        ref = reference(case["checkpoint"])
+        ref = torch.load(case["reference"], weights_only=True)
         for strategy in case["strategies"]:
             try:
                 result = check(case["checkpoint"], strategy, ref)
@@ -158,14 +164,15 @@ def main(out_dir: str, cases: str) -> None:
             path = os.path.join(out_dir, f"{case['name']}-{strategy}-{rank}.json")
             with open(path, "w") as f:
                 json.dump(result, f)
-        for strategy, bits, saved in case.get("quantized", []):
+        for strategy, bits, saved, activations in case.get("quantized", []):
             try:
-                result = check_quantized(case["checkpoint"], strategy, bits, ref, saved)
+                result = check_quantized(case["checkpoint"], strategy, bits, ref, saved,
+                                         activations)
             except Exception as e:
                 result = dict(error=f"{type(e).__name__}: {e}")
                 import traceback
                 traceback.print_exc()
-            label = f"int{bits}-saved" if saved else f"int{bits}"
+            label = "w8a8" if activations else f"int{bits}-saved" if saved else f"int{bits}"
             path = os.path.join(out_dir, f"{case['name']}-{strategy}-{label}-{rank}.json")
             with open(path, "w") as f:
                 json.dump(result, f)

@@ -86,6 +86,73 @@ def test_xla_op_activation_quantization_is_w8a8():
     assert 1e-4 < rel < 0.05, rel
 
 
+def _w8a8_reference(layer, x):
+    """torch_xla's W8A8 (its _quantize_tensor: row scale max|x| / 127 and the rounding, in
+    fp32 as it does), then the exact integer products and the exact dequantized weight in
+    float64: (xq @ (q - zp)^T) * s * x_scale + b."""
+    x_scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    # (torch_xla divides an all-zero row by 0; its integers are then undefined: here 0. In bf16
+    # a row's maximum can round to 128: saturated here, where torch_xla's CPU kernel wraps)
+    xq = torch.round(x / torch.where(x_scale == 0, 1.0, x_scale)).clamp(-128, 127).double()
+    w = dequantize(layer.weight, layer.weight_scale, layer.weight_zero_point, layer.quant_format,
+                   torch.float64)    # (q - zp) * bf16 scale: exact in fp32, hence in float64
+    out = (xq @ w.T) * x_scale.double() + layer.bias.double()
+    # fp32 rounding of each term before the row scale (int32 sums below 2^24 convert exactly):
+    # a few ulps of the sum of |terms|, which bounds the torch_int8 backend's error
+    magnitude = (xq.abs() @ w.abs().T) * x_scale.double()
+    return out, magnitude
+
+
+@pytest.mark.parametrize("bits,sym,dtype", [(8, True, torch.float32), (8, False, torch.float32),
+                                            (4, True, torch.float32), (4, False, torch.float32),
+                                            (8, True, torch.bfloat16)])
+def test_torch_int8_w8a8_equals_torch_xlas_arithmetic_in_float64(bits, sym, dtype):
+    # The dtensor runtime's W8A8 (no torch_xla there): torch._int_mm on int8 activations
+    # quantized in their own dtype (bf16 too, as torch_xla does)
+    layer, _, _ = _layer(bits, -1, sym, "torch_int8", act=True)
+    x = torch.randn(3, 5, 192).to(dtype)
+    x[1, 2] = 0.0                       # an all-zero row: scale 0, output = the bias
+    want, magnitude = _w8a8_reference(layer, x)
+    got = layer(x)
+    assert got.shape == (3, 5, 24)
+    # fp32 sums, then the output in x's dtype (bf16: half an ulp, 2^-9 relative)
+    rounding = 8 * 2**-24 if dtype == torch.float32 else 2**-8
+    assert ((got.double() - want).abs() <= rounding * magnitude + 1e-6).all()
+    assert torch.equal(got[1, 2], layer.bias.to(got.dtype))
+
+
+def test_torch_int8_equals_torch_xlas_own_op():
+    # torch_xla's quantized_matmul (its CPU kernel) with quantize_activation=True: the same
+    # arithmetic in another order of the two fp32 scale multiplies (ulps). (In bf16 the two differ
+    # where a row's maximum divided by its scale rounds to 128: torch_xla's CPU kernel
+    # wraps it to -128, flipping the sign of the row's largest value; ours saturates at 127.
+    # The bf16 case is checked against the float64 reference above.)
+    ours, _, _ = _layer(8, -1, True, "torch_int8", act=True)
+    theirs, _, _ = _layer(8, -1, True, "xla_op", act=True)
+    x = torch.randn(4, 7, 192)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_int8_is_chosen_for_w8a8_only_without_torch_xla(monkeypatch):
+    from AutoXLA.quantization import backends
+
+    cfg = QuantizationConfig(bits=8, quantize_activation=True)
+    fmt = cfg.layer_format("q_proj", 192, 24)
+    monkeypatch.setattr(backends.xla, "has_quantized_matmul", lambda: False)
+    assert choose(fmt, cfg, False, "q_proj", torch.float32, True)[0] == "torch_int8"
+    name, passed = choose(fmt, cfg, False, "q_proj", torch.float32, False)
+    assert name == "fallback" and not any("torch_int8" in p for p in passed)   # not a candidate
+    weights = QuantizationConfig(bits=8, backend="torch_int8")
+    with pytest.raises(ValueError, match="weight-only: it is for int8 activations"):
+        choose(fmt, weights, False, "q_proj", torch.float32, False)
+    blocks = QuantizationConfig(bits=4, block_size=32, quantize_activation=True)
+    name, passed = choose(blocks.layer_format("q_proj", 192, 24), blocks, False, "q_proj",
+                          torch.float32, True)
+    assert name == "fallback" and "per-channel formats only" in passed[-1]
+    monkeypatch.undo()
+    assert choose(fmt, cfg, False, "q_proj", torch.float32, True)[0] == "xla_op"
+
+
 def test_xla_op_zero_point_is_premultiplied():
     layer, _, _ = _layer(8, -1, False, "xla_op")
     (x, w, scale), kw = xla_op_arguments(layer, torch.randn(2, 192))

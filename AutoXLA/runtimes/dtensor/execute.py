@@ -11,7 +11,8 @@ A tensor-parallel block is a module whose linears the plan splits the Megatron w
 linear by its output features over "model", every row linear by its input features (attention:
 q/k/v then o; an MLP: gate/up then down). Its column linears then compute this rank's heads or
 features, and each row linear's partial output is summed over "model" (one all-reduce); every
-other module computes whole. The collectives are DTensor redistributions, so autograd gets
+other module computes whole, as do fused projections (Phi-3's qkv_proj and gate_up_proj, GPT-2's
+c_attn), whose local columns are not each projection's. The collectives are DTensor redistributions, so autograd gets
 their transposes: gradients come back as the plan's placements (reduce-scattered over fsdp,
 summed over data).
 
@@ -30,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ...planning.plan import Plan
+from ...quantization.backends import ROW_ABSMAX
 from ...quantization.packing import per_column
 from ...sharding import rules
 from ...sharding.decoder_stack import find_stack
@@ -70,7 +72,10 @@ def tensor_parallel_blocks(model: nn.Module, plan: Plan) -> dict[str, ModuleExec
             elif t.role == rules.ROW:
                 rows.append(name)
                 consistent &= "model" in axes_of(t.spec[1])
-        if not (columns and rows and consistent):
+        # A fused projection's local columns are not each projection's (rules.FUSED_COLUMN_NAMES):
+        # such a module computes whole, its tensors gathered over "model" too
+        fused = any(name in rules.FUSED_COLUMN_NAMES for name in columns)
+        if not (columns and rows and consistent) or fused:
             continue
         for sub, _ in module.named_modules():
             full = f"{path}.{sub}".strip(".") if sub else path
@@ -139,7 +144,7 @@ class Executor:
                 own = self._held(list(module.modules()), ModuleExecution())
                 if own:
                     self._hook(module, functools.partial(self._gather_unit, own, path),
-                               functools.partial(self._release, own, ModuleExecution()))
+                               functools.partial(self._release_unit, own))
             else:
                 self._hook_module(path, module)
 
@@ -157,36 +162,43 @@ class Executor:
         self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         self._handles.append(module.register_forward_hook(post, with_kwargs=True))
 
-    def _hook_module(self, path: str, module, only_with_grad: bool = False) -> bool:
-        """One module gathering the tensors it holds (and those of children gathered with it)."""
+    def _hook_module(self, path: str, module, recomputed_in=None) -> bool:
+        """One module gathering the tensors it holds (and those of children gathered with it);
+        with ``recomputed_in`` (its decoder layer), only while that layer is checkpointed."""
         how = self.blocks.get(path, ModuleExecution())
         own = self._held(_holders(module), how)
         if not own:
             return False
         pre, post = self._gather, self._release
-        if only_with_grad:
-            pre, post = _with_grad_only(pre), _with_grad_only(post)
+        if recomputed_in is not None:
+            pre, post = _while_checkpointed(pre, recomputed_in), _while_checkpointed(post, recomputed_in)
         self._hook(module, functools.partial(pre, own, how), functools.partial(post, own, how))
         return True
 
     def _gather_unit(self, held, path, module, args, kwargs):
-        """A gathering unit's pre-hook. Without gradients (generation) the whole layer gathers at
-        once. With them each module inside gathers for itself, inside the layer's forward: that is
-        where transformers' gradient checkpointing recomputes it in the backward pass (it
-        checkpoints ``forward``, not the hooks around it), and the recomputation has to gather
-        again. Those hooks are added at the layer's first forward with gradients."""
-        if not torch.is_grad_enabled():
+        """A gathering unit's pre-hook: the whole layer gathers at once, one collective burst,
+        except while transformers' gradient checkpointing recomputes the layer (training, with
+        gradients): it checkpoints ``forward``, not the hooks around it, so then each module
+        inside gathers for itself, inside the forward the backward pass runs again. Those hooks
+        are added at the layer's first checkpointed forward; other forwards with gradients keep
+        one collective burst per layer."""
+        if not _checkpointed(module):
             return self._gather(held, ModuleExecution(), module, args, kwargs)
         if path not in self._inside_registered:
             self._inside_registered.add(path)
             for sub, child in module.named_modules():
                 if sub and not getattr(child, "gathered_with_parent", False):
-                    self._hook_module(f"{path}.{sub}", child, only_with_grad=True)
+                    self._hook_module(f"{path}.{sub}", child, recomputed_in=module)
             # The layer's own tensors (if it holds any): hooked from its next call, gathered now
-            if self._hook_module(path, module, only_with_grad=True):
+            if self._hook_module(path, module, recomputed_in=module):
                 return self._gather(self._held(_holders(module), ModuleExecution()),
                                     ModuleExecution(), module, args, kwargs)
         return None
+
+    def _release_unit(self, held, module, args, kwargs, output):
+        if _checkpointed(module):
+            return None           # its modules released their own tensors
+        return self._release(held, ModuleExecution(), module, args, kwargs, output)
 
     # -- parameters ------------------------------------------------------------------------
     def _local(self, t: DTensor, held: "_Held", how: ModuleExecution, grad: bool) -> torch.Tensor:
@@ -220,6 +232,8 @@ class Executor:
             h.holder.__dict__[h.name] = self._local(tensor, h, how, grad)
         if how.row and hasattr(module, "quant_format"):
             self._row_block_scales(module)
+            if module.quantize_activation:   # W8A8: the whole row's max |x| on every rank
+                module.__dict__[ROW_ABSMAX] = self._max_over_model
         if how.row and module.__dict__.get("bias") is not None:
             # the bias is added once, after the sum over "model"
             module.__dict__["_autoxla_row_bias"] = module.__dict__["bias"]
@@ -231,15 +245,17 @@ class Executor:
 
     def _row_block_scales(self, module) -> None:
         """A quantized row linear's scales (and zero points or offsets) for this rank's block of
-        input columns. Where the plan splits them with the weight, the local pieces already match;
-        where it cannot (fewer blocks than model ranks, or one per-channel scale), each column
-        gets its block's value and this rank keeps its columns'."""
+        input columns. Where the plan splits them with the weight, the local pieces already match,
+        and a per-channel value (one per output row) holds for every column; where the plan
+        cannot split them (fewer blocks than model ranks), each column gets its block's value and
+        this rank keeps its columns'."""
         fmt = module.quant_format
         columns = fmt.in_features // self.mesh.shape.model
         start = self.mesh.device_mesh["model"].get_local_rank() * columns
         for name in ("weight_scale", "weight_zero_point", "weight_offset"):
             value = module.__dict__.get(name)
-            if value is None or value.shape[-1] * fmt.block_size == columns:
+            if (value is None or fmt.per_channel
+                    or value.shape[-1] * fmt.block_size == columns):
                 continue
             if fmt.ragged:
                 raise NotImplementedError(
@@ -252,6 +268,7 @@ class Executor:
         for h in names:
             h.holder.__dict__.pop(h.name, None)
         if how.row:
+            module.__dict__.pop(ROW_ABSMAX, None)
             output = self._sum_over_model(output)
             bias = module.__dict__.pop("_autoxla_row_bias", None)
             if bias is not None:
@@ -264,6 +281,16 @@ class Executor:
         placements[_MODEL] = Partial()
         summed = DTensor.from_local(partial, self.mesh.device_mesh, placements, run_check=False)
         return summed.redistribute(self.mesh.device_mesh, [Replicate()] * len(AXES)).to_local()
+
+    def _max_over_model(self, local: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``local`` over the "model" ranks (no gradient: a W8A8
+        activation scale, which torch_xla's op does not differentiate either)."""
+        placements = [Replicate()] * len(AXES)
+        placements[_MODEL] = Partial("max")
+        with torch.no_grad():
+            most = DTensor.from_local(local.detach(), self.mesh.device_mesh, placements,
+                                      run_check=False)
+            return most.redistribute(self.mesh.device_mesh, [Replicate()] * len(AXES)).to_local()
 
     def _copy_to_model(self, x: torch.Tensor) -> torch.Tensor:
         grads = [Replicate()] * len(AXES)
@@ -307,11 +334,17 @@ class Executor:
         self._handles.clear()
 
 
-def _with_grad_only(hook):
-    """``hook`` for the forwards that record gradients; the others run without it."""
+def _checkpointed(layer: nn.Module) -> bool:
+    """Whether transformers checkpoints this forward of ``layer`` (its own condition)."""
+    return (torch.is_grad_enabled() and layer.training
+            and getattr(layer, "gradient_checkpointing", False))
+
+
+def _while_checkpointed(hook, layer: nn.Module):
+    """``hook`` for the forwards of ``layer`` that transformers checkpoints; not the others."""
     @functools.wraps(hook)
     def wrapped(*args, **kwargs):
-        if torch.is_grad_enabled():
+        if _checkpointed(layer):
             return hook(*args, **kwargs)
         return None
     return wrapped

@@ -28,6 +28,12 @@ def launch(nproc: int, argv: list[str], env: dict | None = None, timeout: float 
     base = dict(os.environ if env is None else env)
     base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()))
+    if nproc > 1 and "OMP_NUM_THREADS" not in base:
+        # As torchrun does: the processes share the machine's cores. With PyTorch's default (a
+        # thread per core in every process) 8 ranks on 2 cores spent their time in threads
+        # spinning against each other: the dtensor matrix's generation took 76 s per model
+        # instead of 20 (tests/dtensor/test_matrix.py, this 2-core machine).
+        base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     procs = []
     for rank in range(nproc):
         procs.append(subprocess.Popen([sys.executable, *argv], cwd=cwd,

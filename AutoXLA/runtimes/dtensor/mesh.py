@@ -36,7 +36,22 @@ class PlanMesh:
         return self.shape.size(axis)
 
 
+# One DeviceMesh per shape and device type for the life of the process group: building one
+# creates a process group per axis (a rendezvous of every process and, on gloo, a connection per
+# pair), which a job loading several models, or one model twice, need not pay again.
+_MESHES: dict[tuple, PlanMesh] = {}
+
+
 def make_mesh(shape: MeshShape, device_type: str) -> PlanMesh:
+    # keyed by the job's group too: a process group started again needs meshes of its own (the
+    # cache keeps the old group alive, so its id is not reused)
+    key = (shape.sizes, device_type, id(process.default_group()))
+    if key not in _MESHES:
+        _MESHES[key] = _new_mesh(shape, device_type)
+    return _MESHES[key]
+
+
+def _new_mesh(shape: MeshShape, device_type: str) -> PlanMesh:
     world = process.world_size()
     if shape.num_devices != world:
         raise ValueError(f"the plan's mesh {shape} has {shape.num_devices} devices but this job "

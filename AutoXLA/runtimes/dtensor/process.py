@@ -59,6 +59,11 @@ def ensure_process_group(kind: str | None = None) -> None:
     dist.init_process_group(BACKENDS[kind], timeout=TIMEOUT)
 
 
+def default_group():
+    """The job's process group (the default one), after ensure_process_group."""
+    return dist.distributed_c10d._get_default_group()
+
+
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
