@@ -12,6 +12,8 @@ from .. import backend
 from ..evaluation import evaluate
 from ..evaluation.formats import FORMATS, SETS, bits_formats, parse_formats
 from ..evaluation.perplexity import read_text
+from ..runtimes.dtensor import process
+from .model_args import add_runtime_arguments, runtime_of, started_per_device
 
 
 def add_arguments(p) -> None:
@@ -31,6 +33,7 @@ def add_arguments(p) -> None:
                    help="tokens per forward; windows are scored independently (default 512)")
     p.add_argument("--strategy", default="2d", help="fsdp, dp, mp, 2d or 3d (default 2d)")
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (default 8)")
+    add_runtime_arguments(p)
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--list", action="store_true", help="list the formats and exit (PATH unused)")
 
@@ -76,13 +79,21 @@ def run(args) -> int:
                                 "weights)")
     if args.text is not None:
         read_text(args.text)                 # a bad file is reported before any model loads
-
-    backend.use_cpu_devices(args.devices)
+    runtime = runtime_of(args)
+    if runtime == "dtensor":
+        started = started_per_device(args, args.nproc)
+        if started is not None:              # this command again, one process per device
+            return started
+        process.ensure_process_group()
+    else:
+        backend.use_cpu_devices(args.devices)
+    # Every process of a dtensor job evaluates (their collectives need them all); one prints
+    shown = runtime != "dtensor" or process.rank() == 0
+    say = (lambda m: print(m, flush=True)) if shown else (lambda _m: None)
 
     ev = evaluate(args.path, formats, text_file=args.text, strategy=args.strategy,
-                  max_tokens=args.max_tokens, window=args.window,
-                  log=lambda m: print(m, flush=True))
-    print(ev.table())
+                  max_tokens=args.max_tokens, window=args.window, log=say, runtime=runtime)
+    say(ev.table())
     if args.markdown:
-        print(ev.markdown())
+        say(ev.markdown())
     return 0

@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import backend
 
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "eval_text.txt"
 DEFAULT_WINDOW = 512
@@ -76,7 +75,7 @@ def negative_log_likelihood(model, windows: Windows) -> float:
     import torch
     import torch.nn.functional as F
 
-    dev = backend.device()
+    dev = next(model.parameters()).device   # an XLA device, or a dtensor rank's (DTensors)
     total = 0.0
     with torch.no_grad():
         for ids, scored in zip(windows.ids, windows.scored):

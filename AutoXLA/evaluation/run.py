@@ -1,7 +1,7 @@
 """evaluate(path, formats): every format of a checkpoint, loaded and measured by one code path.
 
 Each format is loaded with AutoXLA*.from_pretrained(path, sharding_strategy=..., do_quant=...,
-quantization_config=...) on the XLA devices (llama.cpp formats: a float checkpoint holding gguf's
+quantization_config=...) on the chosen runtime's devices (llama.cpp formats: a float checkpoint holding gguf's
 dequantized weights, evaluation/llama_cpp.py), then measured against the float model: perplexity
 on a text for causal LMs, output SQNR on a fixed input for segmentation models.
 """
@@ -108,12 +108,12 @@ def model_kind(config) -> tuple[str, object]:
                      f"{vision.known_configs()} models; pass a checkpoint of one of those")
 
 
-def _load(path, kind: str, fmt: Format, strategy: str):
+def _load(path, kind: str, fmt: Format, strategy: str, runtime: str | None):
     cls = AutoXLAModelForCausalLM if kind == CAUSAL else AutoXLAModelForImageSegmentation
     quant = fmt.kind == AUTOXLA
     return cls.from_pretrained(str(path), sharding_strategy=strategy, do_quant=quant,
                                quantization_config=fmt.quantization_config() if quant else None,
-                               **(fmt.load if quant else {}))
+                               runtime=runtime, **(fmt.load if quant else {}))
 
 
 def _bytes_per_weight(model, fmt: Format) -> float:
@@ -135,14 +135,16 @@ def _bytes_per_weight(model, fmt: Format) -> float:
 
 def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy: str = "2d",
              max_tokens: int | None = None, window: int | None = None, reference: bool = True,
-             keep_going: bool = False, log=None) -> Evaluation:
+             keep_going: bool = False, log=None, runtime: str | None = None) -> Evaluation:
     """Every format in ``formats`` (names or Format entries) loaded from ``path`` and measured;
     ``log(str)`` is told about each step. Causal LMs are scored on ``text``, else the file
     ``text_file``, else the text AutoXLA ships. The float model is evaluated first, as the
     reference of every ratio and SQNR; ``reference=False`` skips it (causal LMs only: the
     perplexities alone, no ratios), which a test comparing formats with each other can afford.
     ``keep_going=True``: a format that cannot be built or run for this model is a row marked
-    failed (its error in the notes) instead of an exception, for long runs such as the bench."""
+    failed (its error in the notes) instead of an exception, for long runs such as the bench.
+    ``runtime``: "xla" or "dtensor" (every process of a dtensor job calls this alike); None:
+    the installed one."""
     log = log or (lambda _msg: None)
     if isinstance(formats, (str, Format)):
         formats = [formats]
@@ -172,6 +174,9 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
                              "measured by output SQNR on a fixed input: a text and a token count "
                              "apply to causal LMs only; drop --text / --max-tokens")
         family, inputs = vision.fixed_inputs(config)
+    if kind != CAUSAL and runtime == "dtensor":
+        raise ValueError(f"{path} is a segmentation model ({type(config).__name__}): those run "
+                         "on the xla runtime only so far (docs/runtimes.md); drop --runtime dtensor")
     if not reference and kind != CAUSAL:
         raise ValueError("reference=False: output SQNR needs the float model's outputs")
     results: list[Result] = []
@@ -179,7 +184,7 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
     for fmt in fmts:
         try:
             result = _one(path, kind, fmt, strategy, auto_class, windows,
-                          (family, inputs) if kind == VISION else None, base)
+                          (family, inputs) if kind == VISION else None, base, runtime)
         except Exception as e:  # noqa: BLE001 - reported in the table when asked to go on
             if not keep_going or fmt.kind == FLOAT:
                 raise
@@ -196,7 +201,8 @@ def evaluate(path, formats, *, text_file=None, text: str | None = None, strategy
                       windows.ids.shape[1] if windows is not None else 0)
 
 
-def _one(path, kind, fmt, strategy, auto_class, windows, vision_input, base) -> Result:
+def _one(path, kind, fmt, strategy, auto_class, windows, vision_input, base,
+         runtime=None) -> Result:
     """Build, load and measure one format. ``base``: the float model's perplexity or outputs
     (None for the float model itself, or without a reference)."""
     t0 = time.perf_counter()
@@ -204,10 +210,10 @@ def _one(path, kind, fmt, strategy, auto_class, windows, vision_input, base) -> 
         warnings.simplefilter("always")
         if fmt.kind == LLAMA_CPP:
             with reference_checkpoint(path, fmt, auto_class) as ref:
-                model = _load(ref.directory, kind, fmt, strategy)
+                model = _load(ref.directory, kind, fmt, strategy, runtime)
                 bpw = ref.bytes_per_weight
         else:
-            model = _load(path, kind, fmt, strategy)
+            model = _load(path, kind, fmt, strategy, runtime)
             bpw = _bytes_per_weight(model, fmt)
         t1 = time.perf_counter()
         if kind == CAUSAL:
