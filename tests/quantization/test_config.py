@@ -28,7 +28,7 @@ def test_seed_spellings():
     (dict(symmetric="yes"), r"symmetric must be True or False"),
     (dict(quantize_activation=1), r"quantize_activation must be True or False"),
     (dict(use_pallas="auto"), r"use_pallas must be"),
-    (dict(backend="cuda"), r"backend='cuda' is unknown; use one of auto, pallas, xla_op, fallback"),
+    (dict(backend="cuda"), r"backend='cuda' is unknown; use one of auto, pallas, xla_op, torch_int8, fallback"),
     (dict(backend="pallas", use_pallas=False), r"contradicts"),
     (dict(exclude_layers=[""]), r"non-empty strings"),
 ])

@@ -12,9 +12,9 @@ linear by its output features over "model", every row linear by its input featur
 q/k/v then o; an MLP: gate/up then down). Its column linears then compute this rank's heads or
 features, and each row linear's partial output is summed over "model" (one all-reduce); every
 other module computes whole, as do fused projections (Phi-3's qkv_proj and gate_up_proj, GPT-2's
-c_attn), whose local columns are not each projection's. The collectives are DTensor redistributions, so autograd gets
-their transposes: gradients come back as the plan's placements (reduce-scattered over fsdp,
-summed over data).
+c_attn), whose local columns are not each projection's. The collectives are DTensor
+redistributions, so autograd gets their transposes: gradients come back as the plan's placements
+(reduce-scattered over fsdp, summed over data).
 
 The batch: every process calls the model with the same global batch; its rows are split over
 the (data, fsdp) ranks when they divide evenly (else every rank computes every row), and the
@@ -171,7 +171,8 @@ class Executor:
             return False
         pre, post = self._gather, self._release
         if recomputed_in is not None:
-            pre, post = _while_checkpointed(pre, recomputed_in), _while_checkpointed(post, recomputed_in)
+            pre = _while_checkpointed(pre, recomputed_in)
+            post = _while_checkpointed(post, recomputed_in)
         self._hook(module, functools.partial(pre, own, how), functools.partial(post, own, how))
         return True
 
