@@ -17,7 +17,7 @@ from .. import _native
 from ..runtimes.xla import XlaRuntime
 from ..planning.plan import Plan
 from ..quantization.experts import quantize_experts
-from ..quantization.linear import stored_tensors
+from ..quantization.linear import linear_rows, stored_tensors
 from ..quantization.weights import quantize_tensor
 from ..state import record_state, state_of
 from . import checkpoint as ckpt
@@ -60,14 +60,6 @@ def loading_steps(model: nn.Module, plan: Plan, checkpoint, state=None,
         owner, leaf = owner_of(model, t.name)
         steps.append(Step(t, sources.get(t.name), owner, leaf, t.name in quantize))
     return steps
-
-
-def linear_rows(owner: nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """A linear's float weight as the checkpoint stores it, as (out, in) rows: a Conv1D's
-    (GPT-2's, stored (in, out)) transposed; any other as it is."""
-    if getattr(owner, "source_transposed", False) and not getattr(owner, "num_experts", None):
-        return w.t().contiguous()
-    return w
 
 
 def quantize_weight(owner: nn.Module, w: torch.Tensor, label: str, importance=None,

@@ -20,7 +20,7 @@ from .. import _native, saving
 from ..loading import execute, streaming
 from ..loading import checkpoint as ckpt
 from ..planning.plan import build_plan
-from ..quantization.linear import stored_tensors
+from ..quantization.linear import linear_rows, stored_tensors
 from ..saving.safetensors_out import ShardWriter
 from ..sharding.decoder_stack import plan_stack
 from ..sharding.mesh import mesh_shape_for
@@ -137,7 +137,7 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
         if step.quantize:
             w = execute.read_whole(key, checkpoint)
             execute.check_shape(t, tuple(w.shape), key, expected=t.source_shape)
-            q = execute.quantize_weight(step.owner, execute.linear_rows(step.owner, w),
+            q = execute.quantize_weight(step.owner, linear_rows(step.owner, w),
                                         f"{t.name} (checkpoint tensor {key!r})", stats=False)
             del w
             prefix = t.name.rpartition(".")[0]

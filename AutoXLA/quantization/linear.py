@@ -57,6 +57,14 @@ class QuantizedLinear(nn.Module):
                 + (", W8A8" if self.quantize_activation else ""))
 
 
+def linear_rows(owner: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """The float weight ``owner`` is made from, as the checkpoint or the float module stores it,
+    as (out, in) rows: a Conv1D's (GPT-2's, stored (in, out)) transposed; any other as it is."""
+    if isinstance(owner, QuantizedLinear) and owner.source_transposed:
+        return w.t().contiguous()
+    return w
+
+
 def register_quantized_buffers(module: nn.Module, fmt: LayerFormat, device=None,
                                leading: tuple[int, ...] = ()) -> None:
     """Zero ``weight`` (int8, or int4 packed in uint8), ``weight_scale`` and, when asymmetric,

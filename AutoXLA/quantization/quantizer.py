@@ -22,7 +22,7 @@ from .config import QuantizationConfig
 from .decisions import LayerDecision, QuantizationReport, decide
 from .embedding import GATHER, QuantizedEmbedding
 from .experts import QuantizedExperts, quantize_experts
-from .linear import QuantizedLinear, stored_tensors
+from .linear import QuantizedLinear, linear_rows, stored_tensors
 from .weights import quantize_tensor
 
 logger = logging.getLogger("AutoXLA")
@@ -112,8 +112,8 @@ class ModelQuantizer:
             table = d.backend == GATHER
             new = _quantized_table_like(old, d) if table else _quantized_like(old, d)
             if old.weight.device.type != "meta":
-                rows = old.weight.detach().cpu()
-                q = quantize_tensor(rows.t() if d.transposed else rows, d.fmt, name,
+                rows = linear_rows(new, old.weight.detach().cpu())   # a Conv1D's transposed
+                q = quantize_tensor(rows, d.fmt, name,
                                     importance=report.importance(name))
                 report.record_stats(name, q)
                 dev = old.weight.device
