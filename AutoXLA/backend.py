@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .module_swap import repointing_references
-from .sharding.hosts import Host
+from .sharding.hosts import Host, available_memory
 from .sharding.mesh import AXES, MeshShape, canonical_device_ids, validate_mesh_axes
 from .sharding.multislice import device_order
 
@@ -363,13 +363,8 @@ def free_device_memory() -> int | None:
             return int(info["bytes_limit"]) - int(info["bytes_used"])
         except (RuntimeError, KeyError, TypeError):
             return None
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    return available // max(device_count(), 1)
+    available = available_memory()
+    return None if available is None else available // max(device_count(), 1)
 
 
 def sharding_spec(t: torch.Tensor) -> str:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from .. import backend
 from ..sharding.kv_cache import KVCachePlan
 from .stacked_cache import StackedStaticCache
 
 
-def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
+def allocate(kv: KVCachePlan, mesh, device, engine, stacked: bool = False):
     """An empty ``transformers.Cache`` of ``kv.layers`` static layers, each K and V sharded; for a
-    scanned decoder stack (``stacked``), one ``[layers, ...]`` K and V that the loop indexes."""
+    scanned decoder stack (``stacked``), one ``[layers, ...]`` K and V that the loop indexes.
+
+    On a runtime whose ranks compute with local pieces (``engine.cache_shape_from_prefill``: the
+    dtensor runtime), the layers are left for ``write_prompt`` to allocate at the shape of the
+    prompt's keys: the rows and heads this rank computed."""
     from transformers.cache_utils import Cache, StaticLayer
 
     dtype = getattr(torch, kv.dtype)
@@ -28,8 +31,10 @@ def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
         cache = StackedStaticCache.make(
             kv.layers, kv.length, torch.zeros((kv.layers, *kv.shape), dtype=dtype, device=device),
             torch.zeros((kv.layers, *kv.value_shape), dtype=dtype, device=device))
-        pin(cache, kv, mesh)
+        pin(cache, kv, mesh, engine)
         return cache
+    if engine.cache_shape_from_prefill:
+        return Cache(layers=[StaticLayer(max_cache_len=kv.length) for _ in range(kv.layers)])
     layers = []
     for _ in range(kv.layers):
         layer = StaticLayer(max_cache_len=kv.length)
@@ -38,11 +43,11 @@ def allocate(kv: KVCachePlan, mesh, device, stacked: bool = False):
         layer.lazy_initialization(keys, values)    # transformers' own set-up, then our sharding
         layers.append(layer)
     cache = Cache(layers=layers)
-    pin(cache, kv, mesh)
+    pin(cache, kv, mesh, engine)
     return cache
 
 
-def pin(cache, kv: KVCachePlan, mesh) -> None:
+def pin(cache, kv: KVCachePlan, mesh, engine) -> None:
     """Re-annotate every layer's K and V with the planned spec (after each step writes them).
 
     Otherwise their sharding is whatever XLA's propagation gave the step's outputs, which may
@@ -50,13 +55,14 @@ def pin(cache, kv: KVCachePlan, mesh) -> None:
     program, and the first decode step would compile one of its own.
     """
     if isinstance(cache, StackedStaticCache):          # the layer axis unsplit
-        backend.mark_sharding(cache.keys, mesh, (None, *kv.spec))
-        backend.mark_sharding(cache.values, mesh, (None, *kv.spec))
-        backend.mark_sharding(cache.cumulative_length, mesh, ())
+        engine.mark_sharding(cache.keys, mesh, (None, *kv.spec))
+        engine.mark_sharding(cache.values, mesh, (None, *kv.spec))
+        engine.mark_sharding(cache.cumulative_length, mesh, ())
         return
     for layer in cache.layers:
-        backend.mark_sharding(layer.keys, mesh, kv.spec)
-        backend.mark_sharding(layer.values, mesh, kv.spec)
+        if layer.is_initialized:
+            engine.mark_sharding(layer.keys, mesh, kv.spec)
+            engine.mark_sharding(layer.values, mesh, kv.spec)
 
 
 def write_prompt(cache, prompt_cache, length: int, device) -> None:
@@ -66,6 +72,8 @@ def write_prompt(cache, prompt_cache, length: int, device) -> None:
         return
     slots = torch.arange(length, device=device)
     for static, filled in zip(cache.layers, prompt_cache.layers):
+        if not static.is_initialized:         # allocated at this rank's shape (allocate)
+            static.lazy_initialization(filled.keys, filled.values)
         static.keys.index_copy_(2, slots, filled.keys)
         static.values.index_copy_(2, slots, filled.values)
         static.cumulative_length.add_(length)

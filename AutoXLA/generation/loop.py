@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import backend
 from ..saving import unwrap
 from ..state import record_state, state_of
 from . import validate
 from .buckets import GenerationOptions
 from .cache import allocate
+from .engine import engine_of
 from .request import build_request
 from .steps import Steps, replicated
 
@@ -132,13 +132,14 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     cache_length = options.cache_length(pb, request.max_new_tokens)
     plan = state_of(model).plan
     kv = plan.kv_cache(bb, cache_length, dtype=activation_dtype(hf))
-    validate.check_memory(kv, plan.mesh)
+    engine = engine_of(model)
+    validate.check_memory(kv, plan.mesh, engine.free_device_memory())
     prompt = pad_prompt(ids, mask, bb, pb, cache_length, request.fill_token_id)
     stats = Stats(bb, pb, cache_length)
     if streamer is not None:
         streamer.put(ids)                 # as transformers: the prompt first
-    with backend.device_owner():          # one generating thread at a time (docs/generation.md)
-        new = _run(model, prompt, request, kv, options, streamer, stats, batch,
+    with engine.device_owner():          # one generating thread at a time (docs/generation.md)
+        new = _run(model, engine, prompt, request, kv, options, streamer, stats, batch,
                    _stop_after or request.max_new_tokens, tokenizer)
         record_state(model, last_generate=stats)
     return torch.cat([ids, new], dim=1).to(out_device)
@@ -151,34 +152,34 @@ def activation_dtype(hf) -> torch.dtype:
     return getattr(table, "output_dtype", table.weight.dtype)
 
 
-def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streamer, stats: Stats,
+def _run(model, engine, prompt: Prompt, request, kv, options: GenerationOptions, streamer, stats: Stats,
          batch: int, steps: int, tokenizer=None) -> torch.Tensor:
-    dev = backend.device()
+    dev = engine.device()
     mesh = state_of(model).mesh
-    cache = allocate(kv, mesh, dev, stacked=scanned_stack(model))
+    cache = allocate(kv, mesh, dev, engine, stacked=engine.stacks_layers and scanned_stack(model))
     # Inputs from the host are replicated from the start: a tensor first used by the first
     # decode step would otherwise enter it unsharded and every later step replicated, two
     # different programs.
-    mask, lengths, finished = (replicated(t.to(dev), mesh)
+    mask, lengths, finished = (replicated(t.to(dev), mesh, engine)
                                for t in (prompt.mask, prompt.lengths, prompt.finished))
-    run = Steps(model, request, cache, kv, mesh, logits_kwargs(model), dev,
+    run = Steps(model, request, cache, kv, mesh, logits_kwargs(model), dev, engine,
                 options.trace_steps_once)
     check_every = options.stop_check_every
     ends = Ends(request.eos_token_ids, request.stop_strings, tokenizer, request.fill_token_id)
     watch = streamer is not None or ends.any   # else nothing to look at before the end
 
-    t0, c0 = time.perf_counter(), backend.compile_seconds()
+    t0, c0 = time.perf_counter(), engine.compile_seconds()
     length = prompt.ids.shape[1]
     carry, done = run.prefill(finished, prompt.ids.to(dev), prompt.mask[:, :length].to(dev),
                               prompt.positions.to(dev), prompt.columns.to(dev))
-    backend.sync()
-    backend.finish_step()
+    engine.sync()
+    engine.finish_step()
     streamed, stopped = (_check(done, carry.tokens, streamer, 0, 1, batch, ends) if watch
                          else (0, False))
     stats.prefill_seconds = time.perf_counter() - t0   # with a check, the prefill has run
-    stats.prefill_compile_seconds = backend.compile_seconds() - c0
+    stats.prefill_compile_seconds = engine.compile_seconds() - c0
     steps_run = 1
-    t0, c0, host = time.perf_counter(), backend.compile_seconds(), 0.0
+    t0, c0, host = time.perf_counter(), engine.compile_seconds(), 0.0
     for t in range(1, min(steps, request.max_new_tokens)):
         if stopped:
             break
@@ -188,13 +189,13 @@ def _run(model, prompt: Prompt, request, kv, options: GenerationOptions, streame
                 break
         h0 = time.thread_time()      # this thread's CPU time: waiting on the device is not in it
         carry, done = run.decode(carry, mask, lengths)
-        backend.sync()
+        engine.sync()
         host += time.thread_time() - h0
-        backend.finish_step()
+        engine.finish_step()
         steps_run += 1
     tokens = carry.tokens.cpu()
     stats.decode_seconds = time.perf_counter() - t0
-    stats.decode_compile_seconds = backend.compile_seconds() - c0
+    stats.decode_compile_seconds = engine.compile_seconds() - c0
     # A first call compiles on this thread too: that time is counted as compiling, not host.
     stats.decode_host_seconds = max(host - stats.decode_compile_seconds, 0.0)
     stats.new_tokens = steps_run

@@ -4,7 +4,7 @@ Running a step means running the model's Python forward, which torch_xla traces 
 every time: 15 to 24 ms of host work per token on a tiny model, ten times its device time
 (docs/generation.md, "Host time per token"). Here a step is a function of its device tensors
 only (the request's settings, the loop's state, the KV cache, the model's weights), so
-``backend.TracedPrograms`` traces it on its first call into one XLA computation per input
+the runtime's ``TracedPrograms`` (generation/engine.py) traces it on its first call into one XLA computation per input
 signature, and every later call adds that computation to the graph without running the model's
 Python. The programs live with the model (one set per model), so a second ``generate`` call with
 the same buckets traces nothing.
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import backend
 from ..saving import unwrap
 from . import rows
 from .cache import pin, write_prompt
@@ -54,8 +53,10 @@ class Carry:
 class Steps:
     """One generate call's prefill and decode steps, bound to its model, request and cache."""
 
-    def __init__(self, model, request, cache, kv, mesh, keep: dict, device, once: bool = True):
+    def __init__(self, model, request, cache, kv, mesh, keep: dict, device, engine,
+                 once: bool = True):
         self.model, self.cache, self.kv, self.mesh, self.keep = model, cache, kv, mesh, keep
+        self.engine = engine      # the runtime's programs and layouts (generation/engine.py)
         self.do_sample = request.do_sample
         self.top_k = request.top_k if request.do_sample else None
         self.top_p = request.do_sample and request.top_p < 1.0
@@ -77,14 +78,17 @@ class Steps:
         self._bound: dict = {}
         self._once = once
         # What the programs depend on besides their inputs' shapes: the settings compiled in,
-        # and the cache's shapes (the prefill makes the cache, which is not one of its inputs).
+        # and the cache's shapes (the prefill makes the cache, which is not one of its inputs):
+        # those of the plan's KV cache, of which the cache is the whole or a rank's piece.
         self._key = (request.sampling_key, hf.training,
                      getattr(hf.config, "_attn_implementation", None),
-                     tuple((tuple(t.shape), t.dtype) for t in cache_state(cache)))
+                     kv.shape, kv.value_shape, kv.dtype, isinstance(cache, StackedStaticCache))
 
     @property
     def traced(self) -> str:
         """"once", or why a step runs traced every time."""
+        if not self.engine.traces_steps:
+            return "never (this runtime runs each step as it is)"
         if not self._once:
             return "every step (trace_steps_once=False)"
         refused = [f"{k}: {self._programs[k + ' refused']}" for k in ("prefill", "decode")
@@ -101,7 +105,8 @@ class Steps:
         def body(sampler, eos, pad, finished, ids, mask, positions, *columns):
             from transformers.cache_utils import DynamicCache
 
-            set_cache_state(self.cache, [torch.zeros_like(t) for t in cache_state(self.cache)])
+            if cache_allocated(self.cache):   # else the prompt's keys allocate it (cache.py)
+                set_cache_state(self.cache, [torch.zeros_like(t) for t in cache_state(self.cache)])
             batch, length = finished.shape[0], self.kv.length
             carry = Carry(torch.zeros(batch, dtype=torch.int64, device=ids.device),
                           pad.expand(batch, length).clone(), finished,
@@ -135,11 +140,11 @@ class Steps:
         fn = None
         program = self._bound.get(kind)
         if program is None and self._once and kind + " refused" not in self._programs:
-            programs = self._programs.setdefault(kind, backend.TracedPrograms(kind))
+            programs = self._programs.setdefault(kind, self.engine.TracedPrograms(kind))
             fn = self._flat(body, len(args), cache_in)
             try:
                 program = programs.get(self._key, fn, inputs, self._weights)
-            except backend.NotTraceable as e:
+            except self.engine.NotTraceable as e:
                 self._programs[kind + " refused"] = str(e)
                 logger.info("generation: the %s step runs traced every time: %s", kind, e)
             # Every later step of this call has the same signature: no lookup per token.
@@ -178,7 +183,7 @@ class Steps:
     def _advance(self, logits, sampler, carry: Carry, eos, pad):
         """Pick each row's next token (pad once a row finished), record it, update the flags;
         the cache re-annotated with its plan."""
-        pin(self.cache, self.kv, self.mesh)
+        pin(self.cache, self.kv, self.mesh, self.engine)
         # transformers' logits processors, before its warpers (next_tokens applies those)
         if sampler.repetition_penalty is not None:
             logits = rows.repetition_penalty(logits.float(), carry.seen,
@@ -193,9 +198,9 @@ class Steps:
         # The state carried to the next step, replicated (it is a few integers per row): reading
         # the tokens back is then a plain copy (a batch-sharded result needs a gathering program
         # per cache length), and every step gets its inputs sharded alike.
-        tokens, token = replicated(tokens, self.mesh), replicated(token, self.mesh)
+        tokens, token = (replicated(t, self.mesh, self.engine) for t in (tokens, token))
         finished = replicated(carry.finished | (token.unsqueeze(1) == eos.unsqueeze(0)).any(1),
-                              self.mesh)
+                              self.mesh, self.engine)
         seen = carry.seen
         if seen is not None:
             seen = seen.scatter(1, token.unsqueeze(1), torch.ones_like(token.unsqueeze(1),
@@ -203,14 +208,20 @@ class Steps:
         return Carry(token, tokens, finished, carry.step + 1, seen), finished.all()
 
 
-def replicated(t: torch.Tensor, mesh) -> torch.Tensor:
-    return backend.mark_sharding(t, mesh, (None,) * t.dim())
+def replicated(t: torch.Tensor, mesh, engine) -> torch.Tensor:
+    return engine.mark_sharding(t, mesh, (None,) * t.dim())
 
 
 def forward_logits(model, ids, mask, positions, cache, keep: dict) -> torch.Tensor:
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=True, **keep)
     return out.logits[:, -1, :]
+
+
+def cache_allocated(cache) -> bool:
+    """False for a cache whose layers the prompt's keys will allocate (cache.py)."""
+    return isinstance(cache, StackedStaticCache) or all(layer.is_initialized
+                                                        for layer in cache.layers)
 
 
 def cache_state(cache) -> list[torch.Tensor]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import backend
 from ..sharding.configs import decoder_config
 
 # The KV cache may take at most this share of the free memory per device: the step's activations
@@ -78,10 +77,10 @@ def check_length(config, options, prompt_length: int, max_new_tokens: int) -> No
                      "positions only if you say so: GenerationOptions(max_positions=N))")
 
 
-def check_memory(kv, mesh) -> None:
-    """The KV cache generation is about to allocate against the devices' free memory."""
+def check_memory(kv, mesh, free: int | None) -> None:
+    """The KV cache generation is about to allocate against ``free``, the bytes free on one device
+    (None: the runtime cannot say)."""
     need = kv.bytes_per_device(mesh)
-    free = backend.free_device_memory()
     if free is None or need <= KV_MEMORY_SHARE * free:
         return
     raise ValueError(f"this request's KV cache (batch bucket {kv.batch}, cache length {kv.length}) "

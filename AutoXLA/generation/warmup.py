@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import backend
+from .engine import engine_of
 from .buckets import GenerationOptions
 
 
@@ -34,12 +34,13 @@ def warm_up(model, batch_sizes=(1,), prompt_lengths=(16,), max_new_tokens: int =
                      for p in prompt_lengths})
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs.setdefault("eos_token_id", None)     # run both steps whatever comes out
-    before, t0, done = backend.compile_count(), time.perf_counter(), []
-    with backend.device_owner():     # the whole warm-up before any request thread's generate
+    engine = engine_of(model)
+    before, t0, done = engine.compile_count(), time.perf_counter(), []
+    with engine.device_owner():     # the whole warm-up before any request thread's generate
         for batch, length in tqdm(shapes, desc="AutoXLA: warm-up", unit="bucket",
                                   disable=not verbose):
             ids = torch.full((batch, length), 1, dtype=torch.int64)
             model.generate(input_ids=ids, max_new_tokens=max_new_tokens, _stop_after=2,
                            **generate_kwargs)
             done.append((batch, length, options.cache_length(length, max_new_tokens)))
-    return WarmupReport(tuple(done), backend.compile_count() - before, time.perf_counter() - t0)
+    return WarmupReport(tuple(done), engine.compile_count() - before, time.perf_counter() - t0)

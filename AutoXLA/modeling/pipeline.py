@@ -241,7 +241,10 @@ def build(path, auto_class, opts: LoadOptions) -> nn.Module:
     load(resolved.model, plan, mesh, checkpoint, opts.verbose, smoothing,  # 3. load (+ quantize)
          runtime=runtime)
     if runtime.name == "dtensor":       # 4. each module gathers its shards as it runs
-        return runtime.finish(resolved.model, plan, mesh, opts.gradient_checkpointing)
+        model = runtime.finish(resolved.model, plan, mesh, opts.gradient_checkpointing)
+        if plan.attention is not None:                          # 6. fixed-shape generation
+            generation.attach(model, opts.generation_options)
+        return model
     return _finish(resolved, plan, mesh, opts)                              # 4. patch, 5. wrap
 
 

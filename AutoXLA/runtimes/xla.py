@@ -27,3 +27,29 @@ class XlaRuntime:
 
     def wait_for_transfers(self) -> None:
         backend.wait_for_transfers()
+
+    def generation_engine(self) -> "XlaGenerationEngine":
+        return XlaGenerationEngine()
+
+
+class XlaGenerationEngine:
+    """What AutoXLA's generation loop asks of a runtime (generation/engine.py), from backend.py:
+    steps traced once into XLA programs, layouts marked, the devices' lock and compile clock."""
+
+    TracedPrograms = backend.TracedPrograms
+    NotTraceable = backend.NotTraceable
+    traces_steps = True                # each step traced once into an XLA program
+    stacks_layers = True               # a scanned decoder stack (modeling/scan.py)
+    cache_shape_from_prefill = False   # the static cache is allocated at the plan's shape
+
+    device = staticmethod(backend.device)
+    device_owner = staticmethod(backend.device_owner)
+    sync = staticmethod(backend.sync)
+    finish_step = staticmethod(backend.finish_step)
+    compile_seconds = staticmethod(backend.compile_seconds)
+    compile_count = staticmethod(backend.compile_count)
+    free_device_memory = staticmethod(backend.free_device_memory)
+
+    @staticmethod
+    def mark_sharding(t, mesh, spec: tuple):
+        return backend.mark_sharding(t, mesh, spec)

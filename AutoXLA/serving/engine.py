@@ -14,7 +14,7 @@ which the causal and sliding-window masks read, are unchanged.
 Programs: one ``admit`` per prompt bucket, eight ``step``s (with or without sampling,
 penalties, log-probabilities: what the live rows need), one ``rebase``; the request's values
 (row, settings, shift) are small device vectors, so no value compiles anything. Every program is
-traced once (``backend.TracedPrograms``), as ``generation/steps.py`` traces generate's steps.
+traced once (the runtime's ``TracedPrograms``), as ``generation/steps.py`` traces generate's steps.
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import backend
 from ..generation import rows as row_sampling
 from ..generation import validate
 from ..generation.cache import allocate, pin
+from ..generation.engine import engine_of
 from ..generation.loop import activation_dtype, logits_kwargs, pad_prompt, scanned_stack
 from ..generation.stacked_cache import StackedStaticCache
 from ..generation.steps import cache_state, forward_logits, replicated, set_cache_state
@@ -103,9 +103,11 @@ class SlotEngine:
         state = state_of(model)
         self.mesh = state.mesh
         self.kv = state.plan.kv_cache(slots, cache_length, dtype=activation_dtype(hf))
-        validate.check_memory(self.kv, state.plan.mesh)
-        self.device = dev = backend.device()
-        self.cache = allocate(self.kv, self.mesh, dev, stacked=scanned_stack(model))
+        self.engine = engine = engine_of(model)
+        validate.check_memory(self.kv, state.plan.mesh, engine.free_device_memory())
+        self.device = dev = engine.device()
+        self.cache = allocate(self.kv, self.mesh, dev, engine,
+                              stacked=engine.stacks_layers and scanned_stack(model))
         self.keep = logits_kwargs(model)
         b, i64 = slots, torch.int64
         default = Sampling().tensors("cpu")
@@ -117,9 +119,9 @@ class SlotEngine:
                 torch.zeros((b, self.vocab), dtype=torch.bool),  # seen: prompt and output
                 torch.zeros((b, self.vocab), dtype=torch.int32),  # counts: output only
                 *settings]
-        self.state = [replicated(t.to(dev), self.mesh) for t in host]
+        self.state = [replicated(t.to(dev), self.mesh, engine) for t in host]
         self._weights = [*model.parameters(), *model.buffers()]
-        self._programs = {kind: backend.TracedPrograms("serve_" + kind)
+        self._programs = {kind: engine.TracedPrograms("serve_" + kind)
                           for kind in ("admit", "step", "rebase")}
         self.traced = "once"
         self.t = 0                       # the shared write position, as the host knows it
@@ -251,9 +253,9 @@ class SlotEngine:
             set_cache_state(self.cache, tensors[n_args + len(self.state):])
             try:
                 picks, new = body(*tensors[:n_args], *tensors[n_args:n_args + len(self.state)])
-                pin(self.cache, self.kv, self.mesh)
-                new = [replicated(t, self.mesh) for t in new]
-                picks = [replicated(t, self.mesh) for t in picks]
+                pin(self.cache, self.kv, self.mesh, self.engine)
+                new = [replicated(t, self.mesh, self.engine) for t in new]
+                picks = [replicated(t, self.mesh, self.engine) for t in picks]
                 return [*picks, *new, *cache_state(self.cache)]
             finally:
                 set_cache_state(self.cache, real)
@@ -262,15 +264,15 @@ class SlotEngine:
         try:
             program = self._programs[kind].get(key, fn, inputs, self._weights)
             outputs = program(inputs, self._weights)
-        except backend.NotTraceable as e:      # traced every call instead (slower, same result)
+        except self.engine.NotTraceable as e:      # traced every call instead (slower, same result)
             self.traced = f"every step ({e})"
             outputs = fn(inputs)
         n_picks = 0 if row_out is None else 4
         picks, rest = outputs[:n_picks], outputs[n_picks:]
         self.state = rest[:len(self.state)]
         set_cache_state(self.cache, rest[len(self.state):])
-        backend.sync()
-        backend.finish_step()
+        self.engine.sync()
+        self.engine.finish_step()
         if row_out is None:
             return None
         token, logprob, top_ids, top_lp = (t.cpu() for t in picks)

@@ -19,6 +19,17 @@ from dataclasses import dataclass
 SIMULATE_ENV = "AUTOXLA_SIMULATE_HOST"
 
 
+def available_memory() -> int | None:
+    """Bytes of this machine's memory available now (the kernel's MemAvailable), or None where
+    /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class Host:
     """This process among all the processes of a job, and the devices it addresses."""

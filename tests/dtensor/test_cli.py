@@ -64,11 +64,15 @@ def test_eval_quant_on_two_processes_equals_the_xla_runtimes():
     # The same formats of the real SmolLM2, on 2 dtensor processes (2d: o_proj and down_proj
     # split over model) and on the xla runtime (1 XLA:CPU device, its own venv): W8A8 runs
     # torch._int_mm here and torch_xla's op there, with the same arithmetic; int4 blocks of 32
-    # dequantize on both. fp32 on both: the perplexities differ only by the kernels' summation
-    # orders (and a W8A8 activation now and then rounding the other way), measured 2e-5 (float)
-    # and 1.5e-4 (w8a8) relative. (The xla runtime on 2 devices gives another W8A8 perplexity,
-    # 52.34 where 1 device and the dtensor runtime's 1 and 2 processes give 51.76: open,
-    # docs/runtimes.md.)
+    # dequantize on both. fp32 on both: float and int4 differ only by the kernels' summation
+    # orders, measured 2e-5 relative. W8A8 is not continuous: each layer rounds its activations
+    # to int8 again, so a last-bit difference upstream (another summation order) moves a value
+    # across a rounding step now and then, a step of max|x| / 127, and 30 layers carry it on.
+    # Measured (docs/runtimes.md): each W8A8 layer equals the float64 reference of its arithmetic
+    # on the real activations within 146 dB, while whole-model perplexities move by up to 1.4 %
+    # between the runtimes, device counts and CPUs (52.34 / 51.62 on an AVX-512 VNNI CPU, 51.76
+    # / 51.75 on another), as far as the float64 reference's own (1.1 %). Hence 3 % for W8A8:
+    # still well below the cost of quantizing the activations at all (w8a8 is 7.4 % above float).
     python = os.environ.get("AUTOXLA_XLA_PY")
     if not python:
         pytest.fail("the xla runtime's interpreter is unknown: run through ./run (it sets "
@@ -88,8 +92,9 @@ def test_eval_quant_on_two_processes_equals_the_xla_runtimes():
     ours, theirs = _perplexities(here.stdout), _perplexities(there.stdout)
     assert set(ours) == {"float", "w8a8", "int4-b32"} == set(theirs), (here.stdout, there.stdout)
     for name, value in ours.items():
-        assert abs(value - theirs[name]) <= 1e-3 * theirs[name], (name, value, theirs[name])
-    assert ours["w8a8"] != ours["float"]                  # activations really quantized
+        rtol = 3e-2 if name == "w8a8" else 1e-3
+        assert abs(value - theirs[name]) <= rtol * theirs[name], (name, value, theirs[name])
+    assert ours["w8a8"] > 1.03 * ours["float"]            # activations really quantized
     assert here.stdout.count("float: perplexity") == 1    # rank 0 alone prints
     assert "keep float activations" not in here.stdout + here.stderr
 

@@ -8,6 +8,9 @@ On a Llama from transformers' config class (sizes shrunk), in real processes:
 - save_pretrained writes the xla runtime's bytes (float and int4); the xla runtime (its own
   interpreter: torch 2.9 + torch_xla) loads the dtensor runtime's checkpoint, and training
   checkpoints go both ways (step 2 of either resumed by the other).
+- generation is one logic on both runtimes (generation/loop.py): on the 8 ranks, a left-padded
+  batch of 3 sampled with a seed, top-k, top-p and a temperature gives the xla runtime's tokens,
+  and greedy with an EOS gives transformers' (rows padded after their EOS).
 
 The xla runtime's half runs in its own venv (tests/dtensor/xla_side.py), found through
 $AUTOXLA_XLA_PY, which ./run sets.
@@ -33,6 +36,9 @@ BATCHES, BATCH, LENGTH = 4, 8, 16
 # updates carry that into the next steps without amplifying it much over 4 steps (measured below
 # 2e-6 relative). A lost or misplaced optimizer state moves the loss by > 1e-3 relative.
 LOSS_RTOL = 1e-5
+# Sampling on both runtimes: prompts of 9, 6 and 12 tokens, left-padded
+PROMPT_LENGTHS = (9, 6, 12)
+SAMPLE = dict(max_new_tokens=12, do_sample=True, seed=11, top_k=40, top_p=0.9, temperature=0.7)
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +47,35 @@ def job(tmp_path_factory):
     checkpoint = save_checkpoint("Llama", root / "llama", seed=3)
     # two fixed batches, twice: the third step's loss, on the first batch again, is lower
     ids = torch.randint(3, 250, (2, BATCH, LENGTH), generator=torch.Generator().manual_seed(0))
+    prompts = torch.randint(3, 250, (len(PROMPT_LENGTHS), max(PROMPT_LENGTHS)),
+                            generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompts)
+    for row, n in enumerate(PROMPT_LENGTHS):
+        prompts[row, :-n], mask[row, :-n] = 0, 0
     job = dict(checkpoint=str(checkpoint), lr=LR, batches=ids.repeat(BATCHES // 2, 1, 1).tolist(),
                dtensor_steps=str(root / "dtensor-steps"), xla_steps=str(root / "xla-steps"),
-               out=str(root / "out"))
+               out=str(root / "out"), prompts=prompts.tolist(), mask=mask.tolist(),
+               sample=SAMPLE, greedy=_greedy_with_an_eos(checkpoint, prompts, mask))
     os.makedirs(job["out"])
     path = root / "job.json"
     path.write_text(json.dumps(job))
     job["file"] = str(path)
     return job
+
+
+def _greedy_with_an_eos(checkpoint, prompts, mask) -> dict:
+    """A greedy request whose EOS is the third token transformers picks for the first row, and
+    transformers' answer to it (that row stops there; the others run on, or stop where they
+    pick it too, and are padded after)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    args = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eos = int(model.generate(prompts, **args, eos_token_id=None)[0, prompts.shape[1] + 2])
+        want = model.generate(prompts, **args, eos_token_id=eos)
+    return dict(kwargs=dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos),
+                want=want.tolist())
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +130,22 @@ def resumed(job, xla_side):
 
 def _close(got, want):
     return all(abs(g - w) <= LOSS_RTOL * abs(w) for g, w in zip(got, want)) and len(got) == len(want)
+
+
+def test_sampling_gives_the_xla_runtimes_tokens(first, xla_side, job):
+    # The same seeded draws from the same logits (fp32, differing by summation order only): a
+    # draw flips only where two tokens' cumulative probabilities straddle it within ~1e-6
+    for rank, r in enumerate(first):
+        assert r["sampled"]["tokens"] == xla_side["sampled"]["tokens"], rank
+        assert r["sampled"]["traced"].startswith("never"), r["sampled"]
+    assert first[0]["sampled"]["buckets"] == xla_side["sampled"]["buckets"]
+    new = torch.tensor(first[0]["sampled"]["tokens"])[:, len(job["prompts"][0]):]
+    assert len(set(map(tuple, new.tolist()))) == len(PROMPT_LENGTHS)   # the rows differ
+
+
+def test_greedy_with_an_eos_gives_transformers_tokens(first, job):
+    for rank, r in enumerate(first):
+        assert r["greedy"] == job["greedy"]["want"], rank
 
 
 def test_training_steps_give_transformers_losses(first, reference):

@@ -1,7 +1,7 @@
 """One rank of the dtensor runtime's training and saving checks (tests/dtensor/test_training.py).
 
-``first`` (8 ranks, fsdp, gradient checkpointing): save_pretrained of the model as loaded, of an
-int4 model; then AdamW steps 1-2 on the job's fixed batches, a TrainingCheckpoints commit of
+``first`` (8 ranks, fsdp, gradient checkpointing): the job's sampled and greedy requests through
+``generate``; save_pretrained of the model as loaded, of an int4 model; then AdamW steps 1-2 on the job's fixed batches, a TrainingCheckpoints commit of
 step 2, steps 3-4. ``resume`` (4 ranks, 2d: another mesh and world size): for each step-2
 directory given (the dtensor runtime's, the xla runtime's), the model and AdamW restored, steps 3-4.
 Each rank writes OUT/<mode>-<rank>.json: the losses, and how often a decoder layer ran per step.
@@ -43,8 +43,9 @@ def first(job: dict, out: str) -> dict:
     from AutoXLA.saving import TrainingCheckpoints
     from AutoXLA.sharding.decoder_stack import find_stack as layers_of
 
-    # What users save right after loading: float, and int4 quantized as it loads
     model = load(job["checkpoint"], "fsdp", gradient_checkpointing=True)
+    answers = generated(model, job)
+    # What users save right after loading: float, and int4 quantized as it loads
     model.save_pretrained(os.path.join(out, "saved-float"))
     quantized = load(job["checkpoint"], "2d", do_quant=True, quantization_config=QuantizationConfig(
         bits=4, block_size=32, scale_search=False))
@@ -62,7 +63,21 @@ def first(job: dict, out: str) -> dict:
     losses = steps(model, optimizer, job["batches"][:2])
     TrainingCheckpoints(job["dtensor_steps"]).save(2, model, optimizer)
     losses += steps(model, optimizer, job["batches"][2:])
-    return dict(losses=losses, layer_calls_per_step=len(calls) / len(job["batches"]))
+    return dict(losses=losses, layer_calls_per_step=len(calls) / len(job["batches"]), **answers)
+
+
+def generated(model, job: dict) -> dict:
+    """The job's sampled request (tokens, buckets, how the steps ran) and its greedy one."""
+    from AutoXLA.state import state_of
+
+    ids, mask = torch.tensor(job["prompts"]), torch.tensor(job["mask"])
+    with torch.no_grad():
+        sampled = model.generate(input_ids=ids, attention_mask=mask, **job["sample"])
+        stats = state_of(model).last_generate
+        greedy = model.generate(input_ids=ids, attention_mask=mask, **job["greedy"]["kwargs"])
+    return dict(sampled=dict(tokens=sampled.tolist(), traced=stats.traced,
+                             buckets=[stats.batch_bucket, stats.prompt_bucket, stats.cache_length]),
+                greedy=greedy.tolist())
 
 
 def resume(job: dict, out: str) -> dict:

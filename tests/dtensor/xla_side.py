@@ -5,7 +5,8 @@ runtime wrote, and writing what the dtensor runtime then reads:
 1. ``from_pretrained`` of the dtensor runtime's save_pretrained output: logits against plain
    transformers on the same directory; and this runtime's own save_pretrained of the job's
    checkpoint as loaded (float over fsdp, int4 over 2d, the scanned stack by default), which the
-   test compares with the dtensor runtime's byte for byte;
+   test compares with the dtensor runtime's byte for byte; the job's sampled request through
+   the float model's ``generate`` (tokens and buckets);
 2. TrainingCheckpoints.restore of the dtensor runtime's step 2 into a model on this runtime, then
    steps 3-4 (or the error it gives);
 3. steps 1-2 on this runtime from the start, committed as step 2 for the dtensor runtime to resume.
@@ -49,6 +50,17 @@ def steps(model, optimizer, batches) -> list[float]:
     return losses
 
 
+def sampled(model, job: dict) -> dict:
+    from AutoXLA.state import state_of
+
+    with torch.no_grad():
+        tokens = model.generate(input_ids=torch.tensor(job["prompts"]),
+                                attention_mask=torch.tensor(job["mask"]), **job["sample"])
+    stats = state_of(model).last_generate
+    return dict(tokens=tokens.cpu().tolist(),
+                buckets=[stats.batch_bucket, stats.prompt_bucket, stats.cache_length])
+
+
 def main(job_file: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -77,6 +89,8 @@ def main(job_file: str, out: str) -> None:
                                                         sharding_strategy=strategy,
                                                         dtype=torch.float32, **kwargs)
         model.save_pretrained(os.path.join(out, f"xla-saved-{name}"))
+        if name == "float":
+            result["sampled"] = sampled(model, job)
         del model
 
     model = load(job["checkpoint"])

@@ -194,13 +194,14 @@ def test_sequences_stop_at_eos(llama_2d, reference_models):
 
 def test_kv_cache_is_sharded_as_planned(llama_2d, xla_devices):
     from AutoXLA.generation.cache import allocate
+    from AutoXLA.generation.engine import engine_of
     from tests.helpers import reference_sharding_string, _MESHES
 
     mesh = llama_2d.autoxla_mesh
     _MESHES[id(mesh)] = mesh
     kv = llama_2d.autoxla_plan.kv_cache(8, 64)       # batch 8 over fsdp=4, 2 kv heads over model=2
     assert kv.spec == ("fsdp", "model", None, None)
-    cache = allocate(kv, mesh, backend.device())
+    cache = allocate(kv, mesh, backend.device(), engine_of(llama_2d))
     backend.sync()
     expected = reference_sharding_string(kv.shape, kv.spec, id(mesh))
     assert all(backend.sharding_spec(layer.keys) == expected for layer in cache.layers)

@@ -78,3 +78,8 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_world_size() -> int:
+    """The processes of the job on this machine (torchrun's LOCAL_WORLD_SIZE; else all of them)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))

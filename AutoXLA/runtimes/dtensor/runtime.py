@@ -13,6 +13,7 @@ from ...sharding.mesh import MeshShape
 from ...state import record_state
 from . import process
 from .execute import Executor, checkpoint_layers, run_on_the_mesh
+from .generation import DTensorGenerationEngine
 from .mesh import PlanMesh, make_mesh
 from .placements import placements_for
 from .saving import write_from_one_process
@@ -78,3 +79,7 @@ class DTensorRuntime:
     def write_whole(self, tensors: dict, groups: list[list[str]], write) -> None:
         """saving/pretrained.py's writer on this runtime: see saving.py."""
         write_from_one_process(tensors, groups, write)
+
+    def generation_engine(self):
+        """What AutoXLA's generation loop asks of this runtime (generation.py)."""
+        return DTensorGenerationEngine(self.device())

@@ -1,0 +1,87 @@
+"""What AutoXLA's generation loop (generation/loop.py) asks of the dtensor runtime.
+
+The loop is the xla runtime's: buckets, the static KV cache, seeded sampling with transformers'
+meaning, stop checks every few steps. Here each step runs eagerly with PyTorch's own kernels
+(the executor's hooks gather each module's shards as it runs), so:
+
+- there is no program to trace: a step is its Python function, called;
+- nothing marks a layout: every tensor the loop makes is an ordinary tensor, the same on every
+  rank (the sampling is a function of the seed and the step, not of an RNG state);
+- the static cache takes each layer's local shape from the prefill's keys (the rows and heads
+  this rank computes: the executor splits the batch and a tensor-parallel block's heads as the
+  plan says, and computes fused projections whole), not from the plan's global shape.
+
+Compiling the decode step with ``torch.compile`` was measured and left out (docs/runtimes.md).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ...sharding.hosts import available_memory
+from . import process
+
+# One generating thread per process at a time, as on the xla runtime: every rank's collectives
+# must run in the same order.
+_OWNER = threading.RLock()
+
+
+class NotTraceable(RuntimeError):
+    """Never raised here (nothing is traced); named so the loop treats both runtimes alike."""
+
+
+class EagerPrograms:
+    """``backend.TracedPrograms``' interface for steps that run as they are: ``get`` returns a
+    program that calls the step's function."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def get(self, key, fn, inputs: list, weights: list = ()):
+        return lambda inputs, weights=(): fn(inputs)
+
+
+class DTensorGenerationEngine:
+    """The device, the lock, the step programs and the layouts of generation on this runtime."""
+
+    TracedPrograms = EagerPrograms
+    NotTraceable = NotTraceable
+    traces_steps = False        # each step runs as it is
+    stacks_layers = False       # the scanned stack is the xla runtime's (modeling/scan.py)
+    cache_shape_from_prefill = True
+
+    def __init__(self, device: torch.device):
+        self._device = device
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def device_owner(self):
+        return _OWNER
+
+    def sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def finish_step(self) -> None:
+        return None
+
+    def compile_seconds(self) -> float:
+        return 0.0                  # nothing compiles: steps run eagerly
+
+    def compile_count(self) -> int:
+        return 0
+
+    def free_device_memory(self) -> int | None:
+        """Bytes free on this rank's device: a GPU's own count; on the CPU the host's available
+        memory shared by the ranks on it."""
+        if self._device.type == "cuda":
+            return torch.cuda.mem_get_info(self._device)[0]
+        if self._device.type != "cpu":
+            return None
+        available = available_memory()
+        return None if available is None else available // max(process.local_world_size(), 1)
+
+    def mark_sharding(self, t: torch.Tensor, mesh, spec: tuple) -> torch.Tensor:
+        return t                    # every rank holds the loop's tensors whole
