@@ -1,6 +1,7 @@
 """What the generation loop asks of the runtime that executes the model (runtimes/): its device
 and lock, its step programs (traced once on the xla runtime, run as they are on the dtensor
-runtime), how a tensor's layout is marked, its compile clock and free memory, and whether the
+runtime), what holds for the length of one call (``generating()``: the dtensor runtime keeps the
+weights it gathers), how a tensor's layout is marked, its compile clock and free memory, and whether the
 static cache is allocated at the plan's shape or takes each rank's shape from the prefill.
 ``runtimes.xla.XlaGenerationEngine`` and ``runtimes.dtensor.generation.DTensorGenerationEngine``
 answer it; the loop's logic (buckets, cache, sampling, stopping) is one, above them."""
@@ -14,4 +15,4 @@ def engine_of(model):
     """The generation engine of the runtime ``model`` was loaded on (the xla one unless its state
     names another)."""
     runtime = state_of(model).runtime
-    return (runtime or XlaRuntime()).generation_engine()
+    return (runtime or XlaRuntime()).generation_engine(model)

@@ -55,6 +55,8 @@ class Stats:
     # compilation excluded); the rest of decode_seconds is waiting on the device and compiling.
     decode_host_seconds: float = 0.0
     traced: str = ""             # "once", or why the steps were traced every time
+    # dtensor runtime: the weights gathered once for the call (else at every step: too big)
+    kept_gathered: bool = False
 
     @property
     def host_ms_per_token(self) -> float:
@@ -138,7 +140,7 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     stats = Stats(bb, pb, cache_length)
     if streamer is not None:
         streamer.put(ids)                 # as transformers: the prompt first
-    with engine.device_owner():          # one generating thread at a time (docs/generation.md)
+    with engine.device_owner(), engine.generating():   # one generating thread at a time
         new = _run(model, engine, prompt, request, kv, options, streamer, stats, batch,
                    _stop_after or request.max_new_tokens, tokenizer)
         record_state(model, last_generate=stats)
@@ -200,6 +202,7 @@ def _run(model, engine, prompt: Prompt, request, kv, options: GenerationOptions,
     stats.decode_host_seconds = max(host - stats.decode_compile_seconds, 0.0)
     stats.new_tokens = steps_run
     stats.traced = run.traced
+    stats.kept_gathered = getattr(engine, "kept_gathered", False)
     new = ends.trim(tokens[:batch, :steps_run])
     if streamer is not None:
         if batch == 1:

@@ -1,6 +1,8 @@
 """The xla runtime: torch_xla's SPMD, through AutoXLA/backend.py (the module that talks to it)."""
 from __future__ import annotations
 
+import contextlib
+
 from .. import backend
 
 
@@ -28,7 +30,7 @@ class XlaRuntime:
     def wait_for_transfers(self) -> None:
         backend.wait_for_transfers()
 
-    def generation_engine(self) -> "XlaGenerationEngine":
+    def generation_engine(self, model) -> "XlaGenerationEngine":
         return XlaGenerationEngine()
 
 
@@ -53,3 +55,7 @@ class XlaGenerationEngine:
     @staticmethod
     def mark_sharding(t, mesh, spec: tuple):
         return backend.mark_sharding(t, mesh, spec)
+
+    @staticmethod
+    def generating():
+        return contextlib.nullcontext()     # the weights stay where the plan put them

@@ -10,7 +10,8 @@ On a Llama from transformers' config class (sizes shrunk), in real processes:
   checkpoints go both ways (step 2 of either resumed by the other).
 - generation is one logic on both runtimes (generation/loop.py): on the 8 ranks, a left-padded
   batch of 3 sampled with a seed, top-k, top-p and a temperature gives the xla runtime's tokens,
-  and greedy with an EOS gives transformers' (rows padded after their EOS).
+  and greedy with an EOS gives transformers' (rows padded after their EOS); the first with the
+  weights gathered once for the call, the second gathering them at every step.
 
 The xla runtime's half runs in its own venv (tests/dtensor/xla_side.py), found through
 $AUTOXLA_XLA_PY, which ./run sets.
@@ -138,6 +139,7 @@ def test_sampling_gives_the_xla_runtimes_tokens(first, xla_side, job):
     for rank, r in enumerate(first):
         assert r["sampled"]["tokens"] == xla_side["sampled"]["tokens"], rank
         assert r["sampled"]["traced"].startswith("never"), r["sampled"]
+        assert r["sampled"]["kept_gathered"], r["sampled"]   # a tiny model: it fits
     assert first[0]["sampled"]["buckets"] == xla_side["sampled"]["buckets"]
     new = torch.tensor(first[0]["sampled"]["tokens"])[:, len(job["prompts"][0]):]
     assert len(set(map(tuple, new.tolist()))) == len(PROMPT_LENGTHS)   # the rows differ

@@ -67,15 +67,23 @@ def first(job: dict, out: str) -> dict:
 
 
 def generated(model, job: dict) -> dict:
-    """The job's sampled request (tokens, buckets, how the steps ran) and its greedy one."""
+    """The job's sampled request (tokens, buckets, how the steps ran) and its greedy one, this one
+    with the weights gathered again at every step (as for a model too big to keep them)."""
+    from AutoXLA.runtimes.dtensor import generation
     from AutoXLA.state import state_of
 
     ids, mask = torch.tensor(job["prompts"]), torch.tensor(job["mask"])
     with torch.no_grad():
         sampled = model.generate(input_ids=ids, attention_mask=mask, **job["sample"])
         stats = state_of(model).last_generate
-        greedy = model.generate(input_ids=ids, attention_mask=mask, **job["greedy"]["kwargs"])
+        share, generation.KEEP_GATHERED_SHARE = generation.KEEP_GATHERED_SHARE, 0.0
+        try:
+            greedy = model.generate(input_ids=ids, attention_mask=mask, **job["greedy"]["kwargs"])
+        finally:
+            generation.KEEP_GATHERED_SHARE = share
+        assert not state_of(model).last_generate.kept_gathered
     return dict(sampled=dict(tokens=sampled.tolist(), traced=stats.traced,
+                             kept_gathered=stats.kept_gathered,
                              buckets=[stats.batch_bucket, stats.prompt_bucket, stats.cache_length]),
                 greedy=greedy.tolist())
 

@@ -132,6 +132,7 @@ class Executor:
         self.model, self.plan, self.mesh = model, plan, mesh
         self.blocks = tensor_parallel_blocks(model, plan)
         self.batch_split = False
+        self._kept: dict | None = None     # while keep_gathered: what each module gathered
         # The batch axes as one mesh dimension: a gather over both is one collective, not two
         self.batch_mesh = mesh.device_mesh[BATCH_AXES]._flatten("batch")
         self._handles = []
@@ -202,9 +203,25 @@ class Executor:
         return self._release(held, ModuleExecution(), module, args, kwargs, output)
 
     # -- parameters ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def keep_gathered(self):
+        """Inside, a tensor gathered without gradients is gathered once and kept, not gathered
+        again at every call (generation: every decode step would gather every layer again).
+        Costs up to the model's gathered bytes on every rank until the block ends."""
+        previous, self._kept = self._kept, {}
+        try:
+            yield
+        finally:
+            self._kept = previous
+
     def _local(self, t: DTensor, held: "_Held", how: ModuleExecution, grad: bool) -> torch.Tensor:
         placements = held.placements
         if not (grad and t.requires_grad):
+            if held.gathered and self._kept is not None:
+                key = (id(t), placements)
+                if key not in self._kept:
+                    self._kept[key] = t.redistribute(t.device_mesh, placements).to_local()
+                return self._kept[key]
             if held.gathered:
                 return t.redistribute(t.device_mesh, placements).to_local()
             # Nothing to gather and no gradient: the local piece itself, without to_local's

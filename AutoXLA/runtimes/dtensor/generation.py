@@ -9,12 +9,18 @@ meaning, stop checks every few steps. Here each step runs eagerly with PyTorch's
   rank (the sampling is a function of the seed and the step, not of an RNG state);
 - the static cache takes each layer's local shape from the prefill's keys (the rows and heads
   this rank computes: the executor splits the batch and a tensor-parallel block's heads as the
-  plan says, and computes fused projections whole), not from the plan's global shape.
+  plan says, and computes fused projections whole), not from the plan's global shape;
+- for the length of a call, what the modules gather is kept (``Executor.keep_gathered``): a
+  decode step reads every weight, and gathering them all again at every token over gloo was
+  ~80 % of a step with 2 or 4 processes. The cost is the gathered weights on every rank while
+  the call runs, so they are kept only when they fit in ``KEEP_GATHERED_SHARE`` of the memory
+  free on the rank's device (else each step gathers, as before, and ``kept_gathered`` says so).
 
 Compiling the decode step with ``torch.compile`` was measured and left out (docs/runtimes.md).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -22,6 +28,8 @@ import torch
 from ...sharding.hosts import available_memory
 from . import process
 
+# The share of a rank's free memory that the weights gathered for one generate call may take
+KEEP_GATHERED_SHARE = 0.5
 # One generating thread per process at a time, as on the xla runtime: every rank's collectives
 # must run in the same order.
 _OWNER = threading.RLock()
@@ -51,8 +59,16 @@ class DTensorGenerationEngine:
     stacks_layers = False       # the scanned stack is the xla runtime's (modeling/scan.py)
     cache_shape_from_prefill = True
 
-    def __init__(self, device: torch.device):
-        self._device = device
+    def __init__(self, device: torch.device, executor, plan):
+        self._device, self._executor, self._plan = device, executor, plan
+
+    def generating(self):
+        """The length of one generate call: the weights gathered once, when they fit."""
+        gathered = self._plan.total_bytes() - self._plan.bytes_per_device()
+        free = self.free_device_memory()
+        self.kept_gathered = gathered == 0 or (free is not None
+                                               and gathered <= KEEP_GATHERED_SHARE * free)
+        return self._executor.keep_gathered() if self.kept_gathered else contextlib.nullcontext()
 
     def device(self) -> torch.device:
         return self._device

@@ -4,13 +4,15 @@ loader's multi-host path (sharding/hosts.py) reads exactly this rank's blocks, a
 the local piece of a DTensor with the plan's placements, without communication."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from ... import saving
 from ...sharding.hosts import Host
 from ...sharding.mesh import MeshShape
-from ...state import record_state
+from ...state import record_state, state_of
 from . import process
 from .execute import Executor, checkpoint_layers, run_on_the_mesh
 from .generation import DTensorGenerationEngine
@@ -24,6 +26,7 @@ class DTensorRuntime:
 
     def __init__(self, device_type: str | None = None):
         self.device_type = device_type or process.device_type()
+        self._executors = weakref.WeakKeyDictionary()     # model -> its Executor
 
     def start(self) -> None:
         process.ensure_process_group(self.device_type)
@@ -70,7 +73,8 @@ class DTensorRuntime:
 
     def finish(self, model, plan, mesh: PlanMesh, gradient_checkpointing: bool = False):
         """Step 4 on this runtime: the modules gather their shards as they run (execute.py)."""
-        run_on_the_mesh(model, Executor(model, plan, mesh))
+        self._executors[model] = executor = Executor(model, plan, mesh)
+        run_on_the_mesh(model, executor)
         if gradient_checkpointing:
             checkpoint_layers(model)
         record_state(model, plan=plan, mesh=mesh, runtime=self)
@@ -80,6 +84,6 @@ class DTensorRuntime:
         """saving/pretrained.py's writer on this runtime: see saving.py."""
         write_from_one_process(tensors, groups, write)
 
-    def generation_engine(self):
-        """What AutoXLA's generation loop asks of this runtime (generation.py)."""
-        return DTensorGenerationEngine(self.device())
+    def generation_engine(self, model):
+        """What AutoXLA's generation loop asks of this runtime for ``model`` (generation.py)."""
+        return DTensorGenerationEngine(self.device(), self._executors[model], state_of(model).plan)
