@@ -37,14 +37,12 @@ ARCHITECTURES = {
 FUSED = {"phi3": ("Phi-3", {}, ("mp", "2d"))}
 CASES = [(a, s) for a in ARCHITECTURES for s in STRATEGIES] + [
     (a, s) for a, (_, _, strategies) in FUSED.items() for s in strategies]
-# Quantized: fsdp (whole linears), mp (row linears split over 8 ranks, more than int4's blocks
-# of 32 in these 64-wide layers: each rank dequantizes its columns with their blocks' scales)
-# and 2d; a dense model and a mixture of experts (experts split over fsdp). The other four
-# under 2d (fsdp and model both split): their own layouts (Qwen3's and Gemma 2's norms, Gemma
-# 2's soft-caps, Mistral's window, GPT-2's Conv1D weights stored (in, out)) quantized per rank.
-QUANTIZED = [(a, s, bits) for a in ("llama", "mixtral") for s in ("fsdp", "mp", "2d")
-             for bits in (8, 4)] + [(a, "2d", bits) for a in ("qwen3", "gemma2", "mistral", "gpt2")
-                                    for bits in (8, 4)]
+# Quantized, int8 and int4, every architecture under every strategy: whole linears (fsdp, dp),
+# row linears split over 8 ranks (mp: more ranks than int4's blocks of 32 in these 64-wide
+# layers, so each rank dequantizes its columns with their blocks' scales), both split (2d, 3d);
+# each layout quantized per rank: Qwen3's and Gemma 2's norms, Gemma 2's soft-caps, Mistral's
+# window, GPT-2's Conv1D weights stored (in, out), Mixtral's experts split over fsdp.
+QUANTIZED = [(a, s, bits) for a in ARCHITECTURES for s in STRATEGIES for bits in (8, 4)]
 # W8A8 (int8 weights and activations, torch._int_mm): mp splits every row linear's input
 # features over 8 ranks, whose per-row activation scales must be the whole row's.
 W8A8 = [("llama", "mp")]
