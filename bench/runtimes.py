@@ -14,7 +14,9 @@ one. Decode tokens/s: batch x (N - 1) / (time of N new tokens - time of 1), afte
 collectives' share is the gloo collectives' own CPU time on rank 0 over its wall time of one
 decode call at the largest batch (torch.profiler: the CPU time under DTensor's Redistribute,
 which holds the collectives, their waits and DTensor's bookkeeping around them). Every side's greedy tokens are compared with
-transformers' on the same torch.
+transformers' on the same torch. Last, per model, the dtensor runtime (1 process) and
+transformers' eager loop side by side in one process, alternating (``side_by_side``): separate
+processes on this machine differ by up to 15 % from run to run.
 """
 from __future__ import annotations
 
@@ -140,6 +142,43 @@ def side_dtensor_rank(path, tokenizer, batches, tokens, out_dir) -> None:
     dist.destroy_process_group()
 
 
+def side_by_side(path, tokenizer, batches, tokens, pairs: int = 5) -> dict:
+    """In one process (a world of one), the dtensor runtime's generate and transformers' eager
+    loop alternately, ``pairs`` times per batch: decode ms per step of each, medians. Separate
+    processes on this machine differ by up to 15 % from run to run; alternating in one process
+    puts both under the same conditions."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from AutoXLA.modeling import AutoXLAModelForCausalLM
+
+    ours = AutoXLAModelForCausalLM.from_pretrained(path, sharding_strategy="fsdp",
+                                                   runtime="dtensor", dtype=torch.float32)
+    eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    args = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = {}
+    for batch in batches:
+        ids, mask = _prompts(tokenizer, batch)
+
+        def step_ms(model):
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1,
+                               min_new_tokens=1, **args)
+                t1 = time.perf_counter()
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens,
+                               min_new_tokens=tokens, **args)
+                return 1000 * ((time.perf_counter() - t1) - (t1 - t0)) / (tokens - 1)
+
+        step_ms(ours), step_ms(eager)                      # warm-up
+        times = [(step_ms(ours), step_ms(eager)) for _ in range(pairs)]
+        out[str(batch)] = {"ours_ms": statistics.median(t[0] for t in times),
+                           "eager_ms": statistics.median(t[1] for t in times)}
+    return out
+
+
 def side_dtensor(path, tokenizer, batches, tokens, nproc) -> dict:
     from AutoXLA.runtimes.dtensor.launch import launch
 
@@ -190,7 +229,7 @@ def main() -> int:
         side_dtensor_rank(a.path, a.tokenizer, a.batches, a.tokens, a.out)
         return 0
     if a.side:
-        sides = {"eager": side_eager, "xla": side_xla}
+        sides = {"eager": side_eager, "xla": side_xla, "side-by-side": side_by_side}
         result = (side_dtensor(a.path, a.tokenizer, a.batches, a.tokens, a.n)
                   if a.side == "dtensor" else sides[a.side](a.path, a.tokenizer, a.batches,
                                                             a.tokens))
@@ -238,6 +277,16 @@ def main() -> int:
                 print(f"{name:<8} {label:<30} {r['load_s']:>7.2f} {r['peak_mb']:>8.0f} "
                       + " ".join(f"{r['decode'][str(b)]['tps']:>11.1f}" for b in a.batches)
                       + "  " + "; ".join(notes), flush=True)
+            pair = _child(dtensor_py, "side-by-side", path, tokenizer, a)
+            if "error" in pair:
+                print(f"{name:<8} {'side by side, 1 process':<30} {pair['error']}")
+            else:
+                print(f"{name:<8} side by side in 1 process (dtensor runtime / transformers "
+                      "eager, decode ms per step, median of 5 alternating pairs): "
+                      + "; ".join(f"b{b} {pair[str(b)]['ours_ms']:.1f} / "
+                                  f"{pair[str(b)]['eager_ms']:.1f} = x eager "
+                                  f"{pair[str(b)]['eager_ms'] / pair[str(b)]['ours_ms']:.2f}"
+                                  for b in a.batches), flush=True)
     return 0
 
 

@@ -108,7 +108,7 @@ class LoadOptions:
             return
         # What the dtensor runtime runs so far (docs/runtimes.md): refused by name, not ignored.
         asked = {"attn_implementation": self.attn_implementation != "eager",
-                 "mesh": self.mesh is not None, "multislice": self.multislice is not None,
+                 "multislice": self.multislice is not None,
                  "use_fsdp_wrap": self.use_fsdp_wrap, "xla_patch_linear": self.xla_patch_linear,
                  "calibration": self.calibration is not None,
                  "compile_cache": self.compile_cache is not None}

@@ -128,7 +128,7 @@ def mesh_shape_for(strategy: str, num_devices: int) -> MeshShape:
     return MeshShape(data, fsdp, model)
 
 
-def validate_mesh_axes(axis_names, mesh_shape, num_devices: int) -> MeshShape:
+def validate_mesh_axes(axis_names, mesh_shape, num_devices: int, example: str = "") -> MeshShape:
     """Checks a user mesh (names and sizes); returns its MeshShape.
 
     A user mesh names some of the axes ``data``, ``fsdp``, ``model`` (in any order, each at most
@@ -138,7 +138,7 @@ def validate_mesh_axes(axis_names, mesh_shape, num_devices: int) -> MeshShape:
     """
     names = tuple(axis_names or ())
     sizes = tuple(int(s) for s in mesh_shape)
-    example = f"Mesh(np.arange({num_devices}), (1, {num_devices}, 1), {AXES})"
+    example = example or f"Mesh(np.arange({num_devices}), (1, {num_devices}, 1), {AXES})"
     if len(names) != len(sizes):
         raise ValueError(f"mesh has {len(sizes)} dimensions {sizes} but {len(names)} axis names "
                          f"{names}: name every dimension with one of {AXES}, e.g. {example}")

@@ -4,7 +4,8 @@ On a Llama from transformers' config class (sizes shrunk), in real processes:
 
 - 8 ranks, fsdp, gradient checkpointing: four AdamW steps give transformers' losses on the CPU;
   each decoder layer runs twice a step (its activations recomputed); step 2 is committed.
-- 4 ranks, 2d (another mesh and world size): step 2 restored, steps 3-4 continue the run.
+- 4 ranks, 2d (another mesh and world size, given as the user's own DeviceMesh over ("fsdp",
+  "model"), the original AutoXLA's mesh): step 2 restored, steps 3-4 continue the run.
 - save_pretrained writes the xla runtime's bytes (float and int4); the xla runtime (its own
   interpreter: torch 2.9 + torch_xla) loads the dtensor runtime's checkpoint, and training
   checkpoints go both ways (step 2 of either resumed by the other).
@@ -167,6 +168,8 @@ def test_resume_on_another_mesh_continues_the_run(resumed, reference):
         got = r["dtensor_steps"]
         assert "error" not in got, got["error"]
         assert got["step"] == 2 and "model=2" in got["mesh"], got
+        assert got["strategy"] == "custom mesh", got    # mesh=: the user's DeviceMesh
+        assert "row-major order" in r["permuted_mesh"], r["permuted_mesh"]
         assert _close(got["losses"], reference[2:]), (rank, got["losses"], reference[2:])
 
 

@@ -2,8 +2,9 @@
 
 ``first`` (8 ranks, fsdp, gradient checkpointing): the job's sampled and greedy requests through
 ``generate``; save_pretrained of the model as loaded, of an int4 model; then AdamW steps 1-2 on the job's fixed batches, a TrainingCheckpoints commit of
-step 2, steps 3-4. ``resume`` (4 ranks, 2d: another mesh and world size): for each step-2
-directory given (the dtensor runtime's, the xla runtime's), the model and AdamW restored, steps 3-4.
+step 2, steps 3-4. ``resume`` (4 ranks, 2d: another mesh and world size; the dtensor runtime's step 2 into a model
+loaded on the user's own DeviceMesh over ("fsdp", "model")): for each step-2 directory given (the
+dtensor runtime's, the xla runtime's), the model and AdamW restored, steps 3-4.
 Each rank writes OUT/<mode>-<rank>.json: the losses, and how often a decoder layer ran per step.
 """
 from __future__ import annotations
@@ -18,11 +19,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def load(checkpoint: str, strategy: str, **kwargs):
+def load(checkpoint: str, strategy: str | None, **kwargs):
     from AutoXLA.modeling import AutoXLAModelForCausalLM
 
-    return AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
-                                                   runtime="dtensor", dtype=torch.float32, **kwargs)
+    if strategy is not None:
+        kwargs["sharding_strategy"] = strategy
+    return AutoXLAModelForCausalLM.from_pretrained(checkpoint, runtime="dtensor",
+                                                   dtype=torch.float32, **kwargs)
 
 
 def steps(model, optimizer, batches) -> list[float]:
@@ -89,11 +92,23 @@ def generated(model, job: dict) -> dict:
 
 
 def resume(job: dict, out: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     from AutoXLA.saving import TrainingCheckpoints, TrainingCheckpointError
 
-    result = {}
+    # a mesh whose ranks sit elsewhere than the plan numbers them is refused, not misread
+    try:
+        load(job["checkpoint"], None, mesh=init_device_mesh("cpu", (2, 2),
+                                                            mesh_dim_names=("model", "fsdp")))
+        result = dict(permuted_mesh="loaded")
+    except ValueError as e:
+        result = dict(permuted_mesh=str(e))
     for source in ("dtensor_steps", "xla_steps"):
-        model = load(job["checkpoint"], "2d")
+        if source == "dtensor_steps":   # the user's own mesh, as the original AutoXLA's users pass it
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "model"))
+            model = load(job["checkpoint"], None, mesh=mesh)
+        else:
+            model = load(job["checkpoint"], "2d")
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
         try:
@@ -102,7 +117,8 @@ def resume(job: dict, out: str) -> dict:
             result[source] = dict(error=str(e))
             continue
         result[source] = dict(step=step, losses=steps(model, optimizer, job["batches"][step:]),
-                              mesh=str(model.autoxla_plan.mesh))
+                              mesh=str(model.autoxla_plan.mesh),
+                              strategy=model.autoxla_plan.strategy)
     return result
 
 

@@ -16,7 +16,7 @@ from ...state import record_state, state_of
 from . import process
 from .execute import Executor, checkpoint_layers, run_on_the_mesh
 from .generation import DTensorGenerationEngine
-from .mesh import PlanMesh, make_mesh
+from .mesh import PlanMesh, adopt_device_mesh, make_mesh
 from .placements import placements_for
 from .saving import write_from_one_process
 
@@ -52,8 +52,9 @@ class DTensorRuntime:
         return make_mesh(shape, self.device_type)
 
     def adopt_user_mesh(self, mesh):
-        raise ValueError("mesh= takes a torch_xla Mesh, which the dtensor runtime does not use: "
-                         "pass sharding_strategy=, or run on runtime='xla'")
+        """A user's DeviceMesh: (its axis sizes, the mesh to shard over); see mesh.py."""
+        self.start()
+        return adopt_device_mesh(mesh, self.device_type)
 
     def pallas_target(self):
         return None       # torch_tpu's Pallas ops are not wired in yet (docs/runtimes.md)
