@@ -46,6 +46,14 @@ class StackedTensors(nn.Module):
     """Holds the stacked ``[layers, ...]`` tensors under the layer's own module paths
     (``stacked.self_attn.q_proj.weight``); plain modules, never called."""
 
+    def extra_repr(self) -> str:
+        # What a module holding stacked tensors says where it is printed: peft's "Target module
+        # StackedTensors(...) is not supported" (get_peft_model on a scanned model) included
+        if not (self._parameters or self._buffers):
+            return ""
+        return ("every scanned decoder layer's tensors, stacked by AutoXLA; to wrap them with "
+                "peft (LoRA), load with scan_layers=False")
+
 
 class StackedDecoderLayers(nn.Module):
     """Stands in for the decoder ModuleList: ``len``, indexing and slicing as a list of layers.

@@ -173,6 +173,12 @@ def test_resume_on_another_mesh_continues_the_run(resumed, reference):
         assert _close(got["losses"], reference[2:]), (rank, got["losses"], reference[2:])
 
 
+def test_lora_on_several_processes_is_refused_by_name(resumed):
+    # peft's adapters are plain tensors each rank would train alone (docs/finetuning.md)
+    for rank, r in enumerate(resumed):
+        assert "runs in one process only" in r["lora"] and "lora_A" in r["lora"], (rank, r["lora"])
+
+
 @pytest.mark.parametrize("name", ["float", "int4"])
 def test_save_pretrained_writes_the_xla_runtimes_bytes(job, first, xla_side, name):
     ours, theirs = Path(job["out"]) / f"saved-{name}", Path(job["out"]) / f"xla-saved-{name}"

@@ -119,7 +119,20 @@ def resume(job: dict, out: str) -> dict:
         result[source] = dict(step=step, losses=steps(model, optimizer, job["batches"][step:]),
                               mesh=str(model.autoxla_plan.mesh),
                               strategy=model.autoxla_plan.strategy)
+    result["lora"] = lora_refused(model, job)
     return result
+
+
+def lora_refused(model, job: dict) -> str:
+    """peft's LoRA on 4 processes: its adapters are plain tensors, refused at the first forward."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    try:
+        peft_model(input_ids=torch.tensor(job["batches"][0]))
+    except ValueError as e:
+        return str(e)
+    return "ran"
 
 
 def main(mode: str, job_file: str, out: str) -> None:

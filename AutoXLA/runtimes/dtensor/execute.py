@@ -317,6 +317,20 @@ class Executor:
                                    run_check=False)
         return whole.to_local(grad_placements=grads)
 
+    def check_parameters(self) -> None:
+        """Refuse a parameter added after loading (peft's LoRA adapters are plain tensors) when
+        several processes run the model: each would compute and train it alone, on its own rows
+        or against this rank's columns only."""
+        if self.mesh.shape.num_devices == 1:
+            return
+        for name, p in self.model.named_parameters():
+            if not isinstance(p, DTensor):
+                raise ValueError(
+                    f"{name} is not one of the tensors the dtensor runtime loaded (peft's LoRA "
+                    "adapters, added after loading, are such plain tensors): with several "
+                    "processes each would compute and train it alone. LoRA on this runtime runs "
+                    "in one process only so far (docs/finetuning.md); or load with runtime='xla'")
+
     # -- the batch -------------------------------------------------------------------------
     def batch_ranks(self) -> int:
         return self.mesh.shape.data * self.mesh.shape.fsdp
@@ -375,6 +389,7 @@ def run_on_the_mesh(model: nn.Module, executor: Executor) -> None:
 
     @functools.wraps(forward)
     def parallel_forward(*args, **kwargs):
+        executor.check_parameters()
         first = kwargs.get("input_ids", args[0] if args else None)
         if first is None:
             first = kwargs.get("inputs_embeds")
