@@ -24,6 +24,13 @@ VERBS = [
 ]
 
 
+# The verbs that never use an XLA device, and promise not to import torch_xla (docs/planning.md,
+# docs/quantization.md). accelerate, which peft needs, imports torch_xla as it is imported (by
+# transformers' modeling code) wherever torch_xla is installed, unless its USE_TORCH_XLA switch
+# is off: these verbs turn it off, unless the user set it.
+HOST_ONLY_VERBS = ("plan", "quantize")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one ``autoxla: error:`` line (exit code 2) like every other
     user error, and the sub-command's --help named as where to look."""
@@ -78,4 +85,6 @@ def _main(argv) -> int:
         p.set_defaults(func=verb.run)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # to start it again (--nproc)
+    if args.command in HOST_ONLY_VERBS:
+        os.environ.setdefault("USE_TORCH_XLA", "0")
     return args.func(args)
