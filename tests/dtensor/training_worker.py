@@ -85,10 +85,21 @@ def generated(model, job: dict) -> dict:
         finally:
             generation.KEEP_GATHERED_SHARE = share
         assert not state_of(model).last_generate.kept_gathered
+        # rank 0 alone short of memory: every rank must then gather at every step (a rank that
+        # kept its weights would skip gathers the others wait on, for ever)
+        if dist.get_rank() == 0:
+            generation.KEEP_GATHERED_SHARE = 0.0
+        try:
+            outvoted = model.generate(input_ids=ids, attention_mask=mask,
+                                      **job["greedy"]["kwargs"])
+        finally:
+            generation.KEEP_GATHERED_SHARE = share
+        kept_when_outvoted = state_of(model).last_generate.kept_gathered
     return dict(sampled=dict(tokens=sampled.tolist(), traced=stats.traced,
                              kept_gathered=stats.kept_gathered,
                              buckets=[stats.batch_bucket, stats.prompt_bucket, stats.cache_length]),
-                greedy=greedy.tolist())
+                greedy=greedy.tolist(), outvoted=outvoted.tolist(),
+                kept_when_outvoted=kept_when_outvoted)
 
 
 def resume(job: dict, out: str) -> dict:

@@ -14,7 +14,8 @@ meaning, stop checks every few steps. Here each step runs eagerly with PyTorch's
   decode step reads every weight, and gathering them all again at every token over gloo was
   ~80 % of a step with 2 or 4 processes. The cost is the gathered weights on every rank while
   the call runs, so they are kept only when they fit in ``KEEP_GATHERED_SHARE`` of the memory
-  free on the rank's device (else each step gathers, as before, and ``kept_gathered`` says so).
+  free on the rank's device, on every rank (one vote: ranks choosing differently would wait on
+  each other's gathers forever); else each step gathers, as before, and ``kept_gathered`` says so.
 
 Compiling the decode step with ``torch.compile`` was measured and left out (docs/runtimes.md).
 """
@@ -66,8 +67,9 @@ class DTensorGenerationEngine:
         """The length of one generate call: the weights gathered once, when they fit."""
         gathered = self._plan.total_bytes() - self._plan.bytes_per_device()
         free = self.free_device_memory()
-        self.kept_gathered = gathered == 0 or (free is not None
-                                               and gathered <= KEEP_GATHERED_SHARE * free)
+        fits = gathered == 0 or (free is not None and gathered <= KEEP_GATHERED_SHARE * free)
+        # every rank must choose alike: one that keeps would skip the gathers another still issues
+        self.kept_gathered = process.all_agree(fits, self._device)
         return self._executor.keep_gathered() if self.kept_gathered else contextlib.nullcontext()
 
     def device(self) -> torch.device:

@@ -83,3 +83,14 @@ def free_port() -> int:
 def local_world_size() -> int:
     """The processes of the job on this machine (torchrun's LOCAL_WORLD_SIZE; else all of them)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
+def all_agree(flag: bool, device: torch.device) -> bool:
+    """``flag`` on every process of the job (one small all-reduce): True only where all say True.
+    For a choice each process makes from its own measurements that changes which collectives it
+    issues: processes that chose differently would wait on each other forever."""
+    if world_size() == 1:
+        return flag
+    vote = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+    return bool(vote.item())
