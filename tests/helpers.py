@@ -203,3 +203,16 @@ def eager_loss_and_q_proj_grad(reference, ids, mask, labels):
     grad = reference.model.layers[0].self_attn.q_proj.weight.grad
     reference.zero_grad(set_to_none=True)
     return loss.detach(), grad
+
+
+def seed_lora_adapters(model) -> None:
+    """Every peft LoRA adapter weight of ``model`` set to values seeded by its name from the
+    decoder layers down, so that two models wrapped alike (AutoXLA's and plain transformers')
+    start from the same adapters: peft starts B at zero (the first loss would not see them) and
+    draws A from the global generator."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                key = name.split("layers.", 1)[1]
+                g = torch.Generator().manual_seed(sum(map(ord, key)))
+                p.copy_((0.02 * torch.randn(p.shape, generator=g)).to(p.device))

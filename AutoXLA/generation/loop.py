@@ -202,7 +202,7 @@ def _run(model, engine, prompt: Prompt, request, kv, options: GenerationOptions,
     stats.decode_host_seconds = max(host - stats.decode_compile_seconds, 0.0)
     stats.new_tokens = steps_run
     stats.traced = run.traced
-    stats.kept_gathered = getattr(engine, "kept_gathered", False)
+    stats.kept_gathered = engine.kept_gathered
     new = ends.trim(tokens[:batch, :steps_run])
     if streamer is not None:
         if batch == 1:

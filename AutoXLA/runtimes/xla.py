@@ -43,6 +43,7 @@ class XlaGenerationEngine:
     traces_steps = True                # each step traced once into an XLA program
     stacks_layers = True               # a scanned decoder stack (modeling/scan.py)
     cache_shape_from_prefill = False   # the static cache is allocated at the plan's shape
+    kept_gathered = False              # nothing to gather: the weights stay where the plan put them
 
     device = staticmethod(backend.device)
     device_owner = staticmethod(backend.device_owner)

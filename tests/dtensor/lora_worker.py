@@ -12,16 +12,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def adapters_seeded(model) -> None:
-    """Every adapter weight seeded by its name (peft starts B at zero)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                key = name.split("layers.", 1)[1]
-                g = torch.Generator().manual_seed(sum(map(ord, key)))
-                p.copy_(0.02 * torch.randn(p.shape, generator=g))
-
-
 def train(model, batches) -> list[float]:
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -41,6 +31,7 @@ def main(checkpoint: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from AutoXLA.modeling import AutoXLAModelForCausalLM
+    from tests.helpers import seed_lora_adapters
 
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(3, 250, (8, 16), generator=g) for _ in range(2)]
@@ -53,7 +44,7 @@ def main(checkpoint: str, out: str) -> None:
                                                          dtype=torch.float32))
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
-        adapters_seeded(model)
+        seed_lora_adapters(model)
         runs[side] = train(model, batches)
     with open(os.path.join(out, "lora.json"), "w") as f:
         json.dump(runs, f)

@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 
+from ..helpers import seed_lora_adapters
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS, LR = 20, 1e-3
 # fp32 on both sides: the losses differ by summation order (sharded matmuls, reductions over
@@ -37,15 +39,6 @@ def _adapters(model) -> dict:
     return {n.split("layers.", 1)[1]: p for n, p in model.named_parameters() if "lora_" in n}
 
 
-def _set_adapters(model) -> None:
-    """Every adapter weight to values seeded by its name: peft starts B at zero (the first step's
-    loss would not see the adapters) and draws A from the global generator."""
-    with torch.no_grad():
-        for name, p in sorted(_adapters(model).items()):
-            g = torch.Generator().manual_seed(sum(map(ord, name)))
-            p.copy_((0.02 * torch.randn(p.shape, generator=g)).to(p.device))
-
-
 def _train(model, device, compiles=None) -> tuple[list[float], torch.optim.Optimizer]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
@@ -67,7 +60,7 @@ def _train(model, device, compiles=None) -> tuple[list[float], torch.optim.Optim
 def reference(checkpoints):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["llama"],
                                                                dtype=torch.float32), _config())
-    _set_adapters(model)
+    seed_lora_adapters(model)
     model.train()
     losses, _ = _train(model, torch.device("cpu"))
     return dict(losses=losses, adapters=sorted(_adapters(model)),
@@ -81,7 +74,7 @@ def test_lora_steps_give_transformers_and_peft_losses(strategy, checkpoints, ref
                                                     sharding_strategy=strategy, scan_layers=False)
     base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     model = get_peft_model(model, _config())
-    _set_adapters(model)
+    seed_lora_adapters(model)
     model.train()
     compiles = []
     losses, opt = _train(model, backend.device(), compiles)

@@ -132,7 +132,8 @@ class Executor:
         self.model, self.plan, self.mesh = model, plan, mesh
         self.blocks = tensor_parallel_blocks(model, plan)
         self.batch_split = False
-        self._kept: dict | None = None     # while keep_gathered: what each module gathered
+        self._kept: dict | None = None     # in a generate call keeping them: what was gathered
+        self._in_call = False              # in a generate call: parameters checked at its start
         # The batch axes as one mesh dimension: a gather over both is one collective, not two
         self.batch_mesh = mesh.device_mesh[BATCH_AXES]._flatten("batch")
         self._handles = []
@@ -204,15 +205,18 @@ class Executor:
 
     # -- parameters ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def keep_gathered(self):
-        """Inside, a tensor gathered without gradients is gathered once and kept, not gathered
-        again at every call (generation: every decode step would gather every layer again).
-        Costs up to the model's gathered bytes on every rank until the block ends."""
-        previous, self._kept = self._kept, {}
+    def generating(self, keep: bool):
+        """One generate call: the parameters checked once at its start, not at every step's
+        forward; with ``keep``, a tensor gathered without gradients is gathered once and kept
+        (every decode step would gather every layer again), which costs up to the model's
+        gathered bytes on every rank until the call ends."""
+        self.check_parameters()
+        previous = self._kept, self._in_call
+        self._kept, self._in_call = ({} if keep else None), True
         try:
             yield
         finally:
-            self._kept = previous
+            self._kept, self._in_call = previous
 
     def _local(self, t: DTensor, held: "_Held", how: ModuleExecution, grad: bool) -> torch.Tensor:
         placements = held.placements
@@ -389,7 +393,8 @@ def run_on_the_mesh(model: nn.Module, executor: Executor) -> None:
 
     @functools.wraps(forward)
     def parallel_forward(*args, **kwargs):
-        executor.check_parameters()
+        if not executor._in_call:         # a generate call checks once, not at every step
+            executor.check_parameters()
         first = kwargs.get("input_ids", args[0] if args else None)
         if first is None:
             first = kwargs.get("inputs_embeds")

@@ -10,7 +10,7 @@ meaning, stop checks every few steps. Here each step runs eagerly with PyTorch's
 - the static cache takes each layer's local shape from the prefill's keys (the rows and heads
   this rank computes: the executor splits the batch and a tensor-parallel block's heads as the
   plan says, and computes fused projections whole), not from the plan's global shape;
-- for the length of a call, what the modules gather is kept (``Executor.keep_gathered``): a
+- for the length of a call, what the modules gather is kept (``Executor.generating``): a
   decode step reads every weight, and gathering them all again at every token over gloo was
   ~80 % of a step with 2 or 4 processes. The cost is the gathered weights on every rank while
   the call runs, so they are kept only when they fit in ``KEEP_GATHERED_SHARE`` of the memory
@@ -21,7 +21,6 @@ Compiling the decode step with ``torch.compile`` was measured and left out (docs
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -62,6 +61,7 @@ class DTensorGenerationEngine:
 
     def __init__(self, device: torch.device, executor, plan):
         self._device, self._executor, self._plan = device, executor, plan
+        self.kept_gathered = False      # decided by generating(), for the call's Stats
 
     def generating(self):
         """The length of one generate call: the weights gathered once, when they fit."""
@@ -70,7 +70,7 @@ class DTensorGenerationEngine:
         fits = gathered == 0 or (free is not None and gathered <= KEEP_GATHERED_SHARE * free)
         # every rank must choose alike: one that keeps would skip the gathers another still issues
         self.kept_gathered = process.all_agree(fits, self._device)
-        return self._executor.keep_gathered() if self.kept_gathered else contextlib.nullcontext()
+        return self._executor.generating(keep=self.kept_gathered)
 
     def device(self) -> torch.device:
         return self._device
