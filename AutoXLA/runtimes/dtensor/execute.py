@@ -125,6 +125,17 @@ class _Held:
     gathered: bool
 
 
+@dataclass
+class _Hooks:
+    """One module's pre- and post-forward hooks and what they gather, with ``how`` it computes
+    (``None`` for hooks that act only while a checkpointed layer recomputes)."""
+
+    module: nn.Module
+    held: list
+    how: "ModuleExecution | None"
+    ids: tuple
+
+
 class Executor:
     """The hooks that run ``model`` on ``mesh`` as the plan lays it out (see the module's text)."""
 
@@ -137,6 +148,7 @@ class Executor:
         # The batch axes as one mesh dimension: a gather over both is one collective, not two
         self.batch_mesh = mesh.device_mesh[BATCH_AXES]._flatten("batch")
         self._handles = []
+        self._hooks: list[_Hooks] = []
         self._inside_registered = set()
         units = gathering_units(model, self.blocks)
         for path, module in model.named_modules():
@@ -146,7 +158,8 @@ class Executor:
                 own = self._held(list(module.modules()), ModuleExecution())
                 if own:
                     self._hook(module, functools.partial(self._gather_unit, own, path),
-                               functools.partial(self._release_unit, own))
+                               functools.partial(self._release_unit, own), own,
+                               ModuleExecution())
             else:
                 self._hook_module(path, module)
 
@@ -160,9 +173,11 @@ class Executor:
                     own.append(_Held(holder, n, wanted, wanted != tuple(t.placements)))
         return own
 
-    def _hook(self, module, pre, post) -> None:
-        self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(post, with_kwargs=True))
+    def _hook(self, module, pre, post, held, how) -> None:
+        handles = (module.register_forward_pre_hook(pre, with_kwargs=True),
+                   module.register_forward_hook(post, with_kwargs=True))
+        self._handles.extend(handles)
+        self._hooks.append(_Hooks(module, held, how, tuple(h.id for h in handles)))
 
     def _hook_module(self, path: str, module, recomputed_in=None) -> bool:
         """One module gathering the tensors it holds (and those of children gathered with it);
@@ -175,7 +190,8 @@ class Executor:
         if recomputed_in is not None:
             pre = _while_checkpointed(pre, recomputed_in)
             post = _while_checkpointed(post, recomputed_in)
-        self._hook(module, functools.partial(pre, own, how), functools.partial(post, own, how))
+        self._hook(module, functools.partial(pre, own, how), functools.partial(post, own, how),
+                   own, None if recomputed_in is not None else how)
         return True
 
     def _gather_unit(self, held, path, module, args, kwargs):
@@ -213,10 +229,37 @@ class Executor:
         self.check_parameters()
         previous = self._kept, self._in_call
         self._kept, self._in_call = ({} if keep else None), True
+        resident = []
         try:
+            self._make_resident(keep, resident)
             yield
         finally:
+            self._end_resident(resident)
             self._kept, self._in_call = previous
+
+    def _make_resident(self, keep: bool, resident: list) -> None:
+        """For a generate call (no gradients): the modules whose tensors stay as they are for the
+        whole call (nothing to gather, or ``keep``) get them once and lose their hooks until it
+        ends. A hook call per module and step is ~2 % of a one-process SmolLM2 decode step
+        (bench/runtimes.py). Tensor-parallel modules keep theirs: a row linear sums its output
+        over "model" in its hook. Appends to ``resident`` as it goes, for the caller to undo."""
+        for hooks in self._hooks:
+            if hooks.how is None or hooks.how.tensor_parallel:
+                continue
+            if not keep and any(h.gathered for h in hooks.held):
+                continue
+            for h in hooks.held:
+                tensor = h.holder._parameters.get(h.name)
+                if tensor is None:
+                    tensor = h.holder._buffers[h.name]
+                h.holder.__dict__[h.name] = self._local(tensor, h, hooks.how, grad=False)
+            resident.append((hooks, _detach_hooks(hooks.module, hooks.ids)))
+
+    def _end_resident(self, resident) -> None:
+        for hooks, removed in resident:
+            for h in hooks.held:
+                h.holder.__dict__.pop(h.name, None)
+            _restore_hooks(hooks.module, removed)
 
     def _local(self, t: DTensor, held: "_Held", how: ModuleExecution, grad: bool) -> torch.Tensor:
         placements = held.placements
@@ -368,6 +411,32 @@ class Executor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _detach_hooks(module: nn.Module, ids: tuple) -> dict:
+    """Take the hooks ``ids`` out of ``module`` for a while: each hook dict's items as they
+    were, to put back in the same order (other hooks' handles still find their dicts)."""
+    removed = {}
+    for name in _HOOK_DICTS:
+        d = getattr(module, name)
+        if any(i in d for i in ids):
+            removed[name] = list(d.items())
+            for i in ids:
+                d.pop(i, None)
+    return removed
+
+
+def _restore_hooks(module: nn.Module, removed: dict) -> None:
+    for name, items in removed.items():
+        d, before = getattr(module, name), dict(items)
+        added = [(k, v) for k, v in d.items() if k not in before]   # while detached
+        d.clear()
+        d.update(items)
+        d.update(added)
 
 
 def _checkpointed(layer: nn.Module) -> bool:
