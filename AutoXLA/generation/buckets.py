@@ -91,17 +91,30 @@ class GenerationOptions:
     def prompt_bucket(self, length: int) -> int:
         return bucket("prompt", length, self.prompt_buckets, self.min_prompt)
 
+    def shapes(self, batch: int, length: int, max_new_tokens: int,
+               padded: bool = True) -> tuple[int, int, int]:
+        """(batch, prompt, cache length) of one request: each up to its bucket, or as they are
+        (``padded=False``: a runtime that compiles nothing, so that a shape costs nothing)."""
+        if not padded:
+            self._check_room(length, max_new_tokens)
+            return batch, length, length + max_new_tokens
+        prompt = self.prompt_bucket(length)
+        return self.batch_bucket(batch), prompt, self.cache_length(prompt, max_new_tokens)
+
     def cache_length(self, prompt_bucket: int, max_new_tokens: int) -> int:
         """Slots for the padded prompt and every new token."""
-        need = prompt_bucket + max_new_tokens
         if self.max_cache_len is not None:
-            if need > self.max_cache_len:
-                raise ValueError(
-                    f"the prompt (padded to {prompt_bucket}) plus max_new_tokens={max_new_tokens} "
-                    f"needs {need} cache slots, more than max_cache_len={self.max_cache_len}: "
-                    "ask for fewer new tokens or load with a larger max_cache_len")
+            self._check_room(prompt_bucket, max_new_tokens)
             return self.max_cache_len
-        return bucket("cache", need, self.cache_buckets, self.min_cache)
+        return bucket("cache", prompt_bucket + max_new_tokens, self.cache_buckets, self.min_cache)
+
+    def _check_room(self, prompt: int, max_new_tokens: int) -> None:
+        need = prompt + max_new_tokens
+        if self.max_cache_len is not None and need > self.max_cache_len:
+            raise ValueError(
+                f"the prompt (padded to {prompt}) plus max_new_tokens={max_new_tokens} "
+                f"needs {need} cache slots, more than max_cache_len={self.max_cache_len}: "
+                "ask for fewer new tokens or load with a larger max_cache_len")
 
 
 def bucket(what: str, n: int, sizes, minimum: int) -> int:

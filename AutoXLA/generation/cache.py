@@ -1,5 +1,12 @@
-"""The static KV cache: allocated once per generate call at its bucketed length, on the devices,
-sharded as its plan says (sharding/kv_cache.py).
+"""The KV cache of one generate call.
+
+On a runtime whose steps are compiled for fixed shapes (``engine.static_shapes``: the xla
+runtime), a static cache: allocated once per call at its bucketed length, on the devices, sharded
+as its plan says (sharding/kv_cache.py). On one whose steps run as they are (the dtensor runtime),
+transformers' ``DynamicCache``, which grows by a slot per step, as in transformers' own loop: with
+no program to reuse, fixed shapes would buy nothing and cost attention over the empty slots (a
+static cache needs a mask where a grown one lets SDPA run without one); each rank's layers hold
+the rows and heads it computed.
 
 It is a transformers ``Cache`` of ``StaticLayer``s, so every model's attention writes it with
 transformers' own code (``index_copy_`` at a position held in a device tensor: the same program
@@ -19,13 +26,12 @@ from .stacked_cache import StackedStaticCache
 
 def allocate(kv: KVCachePlan, mesh, device, engine, stacked: bool = False):
     """An empty ``transformers.Cache`` of ``kv.layers`` static layers, each K and V sharded; for a
-    scanned decoder stack (``stacked``), one ``[layers, ...]`` K and V that the loop indexes.
+    scanned decoder stack (``stacked``), one ``[layers, ...]`` K and V that the loop indexes; an
+    empty ``DynamicCache`` where the engine has no fixed shapes."""
+    from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 
-    On a runtime whose ranks compute with local pieces (``engine.cache_shape_from_prefill``: the
-    dtensor runtime), the layers are left for ``write_prompt`` to allocate at the shape of the
-    prompt's keys: the rows and heads this rank computed."""
-    from transformers.cache_utils import Cache, StaticLayer
-
+    if not engine.static_shapes:
+        return DynamicCache()        # no config: full layers, the sliding ones too (masks window)
     dtype = getattr(torch, kv.dtype)
     if stacked:
         cache = StackedStaticCache.make(
@@ -33,8 +39,6 @@ def allocate(kv: KVCachePlan, mesh, device, engine, stacked: bool = False):
             torch.zeros((kv.layers, *kv.value_shape), dtype=dtype, device=device))
         pin(cache, kv, mesh, engine)
         return cache
-    if engine.cache_shape_from_prefill:
-        return Cache(layers=[StaticLayer(max_cache_len=kv.length) for _ in range(kv.layers)])
     layers = []
     for _ in range(kv.layers):
         layer = StaticLayer(max_cache_len=kv.length)
@@ -65,6 +69,13 @@ def pin(cache, kv: KVCachePlan, mesh, engine) -> None:
             engine.mark_sharding(layer.values, mesh, kv.spec)
 
 
+def grows(cache) -> bool:
+    """A cache that grows per step (transformers' DynamicCache), not a static one."""
+    from transformers.cache_utils import DynamicCache
+
+    return isinstance(cache, DynamicCache)
+
+
 def write_prompt(cache, prompt_cache, length: int, device) -> None:
     """The prompt's keys and values (a DynamicCache the prefill filled) into the first slots."""
     if isinstance(cache, StackedStaticCache):
@@ -72,8 +83,6 @@ def write_prompt(cache, prompt_cache, length: int, device) -> None:
         return
     slots = torch.arange(length, device=device)
     for static, filled in zip(cache.layers, prompt_cache.layers):
-        if not static.is_initialized:         # allocated at this rank's shape (allocate)
-            static.lazy_initialization(filled.keys, filled.values)
         static.keys.index_copy_(2, slots, filled.keys)
         static.values.index_copy_(2, slots, filled.values)
         static.cumulative_length.add_(length)

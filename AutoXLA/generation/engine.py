@@ -1,9 +1,9 @@
 """What the generation loop asks of the runtime that executes the model (runtimes/): its device
 and lock, its step programs (traced once on the xla runtime, run as they are on the dtensor
 runtime), what holds for the length of one call (``generating()``: the dtensor runtime keeps the
-weights it gathers), how a tensor's layout is marked, its compile clock and free memory, and whether the
-static cache is allocated at the plan's shape or takes each rank's shape from the prefill.
-``runtimes.xla.XlaGenerationEngine`` and ``runtimes.dtensor.generation.DTensorGenerationEngine``
+weights it gathers), how a tensor's layout is marked, its compile clock and free memory, and
+whether steps need fixed shapes (``static_shapes``: buckets and a static cache, or each call's
+own shapes and a cache that grows). ``runtimes.xla.XlaGenerationEngine`` and ``runtimes.dtensor.generation.DTensorGenerationEngine``
 answer it; the loop's logic (buckets, cache, sampling, stopping) is one, above them."""
 from __future__ import annotations
 

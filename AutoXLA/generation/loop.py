@@ -130,11 +130,11 @@ def generate(model, inputs=None, *, input_ids=None, attention_mask=None, generat
     options = GenerationOptions.from_any(model.autoxla_generation)
     batch, length = ids.shape
     validate.check_length(hf.config, options, length, request.max_new_tokens)
-    bb, pb = options.batch_bucket(batch), options.prompt_bucket(length)
-    cache_length = options.cache_length(pb, request.max_new_tokens)
+    engine = engine_of(model)
+    bb, pb, cache_length = options.shapes(batch, length, request.max_new_tokens,
+                                          padded=engine.static_shapes)
     plan = state_of(model).plan
     kv = plan.kv_cache(bb, cache_length, dtype=activation_dtype(hf))
-    engine = engine_of(model)
     validate.check_memory(kv, plan.mesh, engine.free_device_memory())
     prompt = pad_prompt(ids, mask, bb, pb, cache_length, request.fill_token_id)
     stats = Stats(bb, pb, cache_length)

@@ -23,7 +23,7 @@ import torch
 
 from ..saving import unwrap
 from . import rows
-from .cache import pin, write_prompt
+from .cache import grows, pin, write_prompt
 from .sampling import Sampler, next_tokens
 from .stacked_cache import StackedStaticCache
 
@@ -105,15 +105,18 @@ class Steps:
         def body(sampler, eos, pad, finished, ids, mask, positions, *columns):
             from transformers.cache_utils import DynamicCache
 
-            if cache_allocated(self.cache):   # else the prompt's keys allocate it (cache.py)
+            dynamic = grows(self.cache)       # new and empty (cache.py)
+            if not dynamic:
                 set_cache_state(self.cache, [torch.zeros_like(t) for t in cache_state(self.cache)])
             batch, length = finished.shape[0], self.kv.length
             carry = Carry(torch.zeros(batch, dtype=torch.int64, device=ids.device),
                           pad.expand(batch, length).clone(), finished,
                           torch.zeros((), dtype=torch.int64, device=ids.device))
-            prompt_cache = DynamicCache()     # no config: full layers, the sliding ones too
+            # no config: full layers, the sliding ones too
+            prompt_cache = self.cache if dynamic else DynamicCache()
             logits = forward_logits(self.model, ids, mask, positions, prompt_cache, self.keep)
-            write_prompt(self.cache, prompt_cache, ids.shape[1], ids.device)
+            if not dynamic:
+                write_prompt(self.cache, prompt_cache, ids.shape[1], ids.device)
             if columns:
                 counted = torch.zeros(logits.shape, dtype=torch.float32, device=ids.device)
                 carry.seen = counted.scatter_add(1, ids, columns[0].float()) > 0
@@ -218,16 +221,13 @@ def forward_logits(model, ids, mask, positions, cache, keep: dict) -> torch.Tens
     return out.logits[:, -1, :]
 
 
-def cache_allocated(cache) -> bool:
-    """False for a cache whose layers the prompt's keys will allocate (cache.py)."""
-    return isinstance(cache, StackedStaticCache) or all(layer.is_initialized
-                                                        for layer in cache.layers)
-
-
 def cache_state(cache) -> list[torch.Tensor]:
-    """The static cache's device tensors: keys, values and fill level, per layer or stacked."""
+    """The cache's device tensors: keys, values and fill level, per layer or stacked; keys and
+    values per layer for a growing cache (its fill level is their length)."""
     if isinstance(cache, StackedStaticCache):
         return [cache.keys, cache.values, cache.cumulative_length]
+    if grows(cache):
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
     return [t for layer in cache.layers
             for t in (layer.keys, layer.values, layer.cumulative_length)]
 
@@ -238,6 +238,10 @@ def set_cache_state(cache, tensors: list[torch.Tensor]) -> None:
         cache.cumulative_length = fill
         for layer in cache.layers:       # the layer views read the fill level too
             layer.cumulative_length = fill
+        return
+    if grows(cache):      # zip: before the prefill it has no layers, and no tensors to set
+        for layer, keys, values in zip(cache.layers, tensors[0::2], tensors[1::2]):
+            layer.keys, layer.values = keys, values
         return
     for i, layer in enumerate(cache.layers):
         layer.keys, layer.values, layer.cumulative_length = tensors[3 * i:3 * i + 3]

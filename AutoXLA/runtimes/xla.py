@@ -42,7 +42,7 @@ class XlaGenerationEngine:
     NotTraceable = backend.NotTraceable
     traces_steps = True                # each step traced once into an XLA program
     stacks_layers = True               # a scanned decoder stack (modeling/scan.py)
-    cache_shape_from_prefill = False   # the static cache is allocated at the plan's shape
+    static_shapes = True               # buckets and a static cache: one program per shape
     kept_gathered = False              # nothing to gather: the weights stay where the plan put them
 
     device = staticmethod(backend.device)

@@ -26,6 +26,16 @@ def test_explicit_buckets_and_fixed_cache():
         o.cache_length(24, 77)
 
 
+def test_shapes_padded_for_compiled_steps_exact_for_eager_ones():
+    o = GenerationOptions(prompt_buckets=(8, 24), max_cache_len=100)
+    assert o.shapes(3, 9, 50) == (4, 24, 100)                  # the xla runtime: buckets
+    # the dtensor runtime (nothing compiled): the request's own shapes, its slots exactly; the
+    # prompt buckets do not bound it, max_cache_len still does
+    assert o.shapes(3, 30, 50, padded=False) == (3, 30, 80)
+    with pytest.raises(ValueError, match="more than max_cache_len=100"):
+        o.shapes(3, 30, 71, padded=False)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(prompt_buckets=(8, 4)), "ascending"),
     (dict(batch_buckets=()), "ascending"),

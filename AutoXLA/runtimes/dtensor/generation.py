@@ -1,15 +1,18 @@
 """What AutoXLA's generation loop (generation/loop.py) asks of the dtensor runtime.
 
-The loop is the xla runtime's: buckets, the static KV cache, seeded sampling with transformers'
+The loop is the xla runtime's: the prefill and decode steps, seeded sampling with transformers'
 meaning, stop checks every few steps. Here each step runs eagerly with PyTorch's own kernels
 (the executor's hooks gather each module's shards as it runs), so:
 
 - there is no program to trace: a step is its Python function, called;
 - nothing marks a layout: every tensor the loop makes is an ordinary tensor, the same on every
   rank (the sampling is a function of the seed and the step, not of an RNG state);
-- the static cache takes each layer's local shape from the prefill's keys (the rows and heads
-  this rank computes: the executor splits the batch and a tensor-parallel block's heads as the
-  plan says, and computes fused projections whole), not from the plan's global shape;
+- no shapes to fix (``static_shapes = False``): a request keeps its own batch and prompt length,
+  and the KV cache is transformers' ``DynamicCache``, grown a slot per step as transformers' loop
+  grows it; each rank's layers hold the rows and heads it computes (the executor splits the
+  batch and a tensor-parallel block's heads as the plan says). A static cache would attend over
+  its empty slots through a mask at every step, where a grown one lets SDPA skip the mask
+  (docs/benchmarks.md, "Runtimes");
 - for the length of a call, what the modules gather is kept (``Executor.generating``): a
   decode step reads every weight, and gathering them all again at every token over gloo was
   ~80 % of a step with 2 or 4 processes. The cost is the gathered weights on every rank while
@@ -59,7 +62,7 @@ class DTensorGenerationEngine:
     NotTraceable = NotTraceable
     traces_steps = False        # each step runs as it is
     stacks_layers = False       # the scanned stack is the xla runtime's (modeling/scan.py)
-    cache_shape_from_prefill = True
+    static_shapes = False       # nothing compiled: each call's own shapes, a growing cache
 
     def __init__(self, device: torch.device, executor, plan):
         self._device, self._executor, self._plan = device, executor, plan
