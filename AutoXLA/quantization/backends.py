@@ -198,6 +198,12 @@ def _fallback_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.dequantized_weight(x.dtype), layer.bias)
 
 
+# The backends whose forward autograd differentiates as it is (plain torch ops). The others
+# are custom kernels without a backward (torch_xla's quantized matmuls) or round the activations
+# (W8A8: a zero gradient): QuantizedLinear gives them the dequantized matmul's input gradient
+# (linear.py), the straight-through gradient for W8A8.
+DIFFERENTIABLE = frozenset({"fallback"})
+
 # The forward of each backend: (QuantizedLinear, x) -> y.
 FORWARD = {"pallas": _pallas_forward, "xla_op": _xla_op_forward,
            "torch_int8": _torch_int8_forward, "fallback": _fallback_forward}

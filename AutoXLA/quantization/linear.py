@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backends import FORWARD
+from .backends import DIFFERENTIABLE, FORWARD
 from .config import LayerFormat
 from .packing import dequantize
 
@@ -49,12 +49,39 @@ class QuantizedLinear(nn.Module):
                           dtype, self.weight_offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return FORWARD[self.backend](self, x)
+        if self.backend in DIFFERENTIABLE or not torch.is_grad_enabled():
+            return FORWARD[self.backend](self, x)
+        return _BackendMatmul.apply(x, self.bias, self)   # a gradient for fine-tuning (LoRA)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format={self.quant_format.label}, backend={self.backend}"
                 + (", W8A8" if self.quantize_activation else ""))
+
+
+class _BackendMatmul(torch.autograd.Function):
+    """A backend's forward as it runs, with the gradient of ``x @ dequantize(W).T + bias``: the
+    input gradient that the layers below (their LoRA adapters) train with, and the bias's. The
+    quantized weight is a buffer: it never gets one. The tensors the forward read are kept for
+    the backward (the quantized ones, not a float copy): a runtime that gathers a module's
+    shards only while it runs has let them go by then."""
+
+    @staticmethod
+    def forward(ctx, x, bias, layer):
+        ctx.fmt, ctx.bias_dtype = layer.quant_format, None if bias is None else bias.dtype
+        ctx.save_for_backward(layer.weight, layer.weight_scale, layer.weight_zero_point,
+                              layer.weight_offset)
+        return FORWARD[layer.backend](layer, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, scale, zero_point, offset = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ dequantize(q, scale, zero_point, ctx.fmt, grad.dtype, offset)
+        if ctx.needs_input_grad[1]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_bias, None
 
 
 def linear_rows(owner: nn.Module, w: torch.Tensor) -> torch.Tensor:

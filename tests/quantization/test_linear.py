@@ -75,6 +75,25 @@ def test_xla_op_equals_fallback_per_channel_int8(sym):
     torch.testing.assert_close(op(x), fb(x), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend,sym,act", [("xla_op", True, False), ("xla_op", False, False),
+                                              ("xla_op", True, True), ("torch_int8", True, True)])
+def test_backends_without_a_backward_get_the_dequantized_matmuls_gradient(backend, sym, act):
+    # torch_xla's quantized matmuls have no autograd kernel, and W8A8 rounds its activations
+    # (a zero gradient): LoRA below such a layer would train on a wrong input gradient. Both get
+    # the fallback's (x @ dequant(W).T + b); straight-through for the rounded activations. The
+    # same dequantized weight on both sides, so fp32 reordering only.
+    layer, _, _ = _layer(8, -1, sym, backend, act=act)
+    ref, _, _ = _layer(8, -1, sym, "fallback")
+    x = torch.randn(3, 5, 192, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    weights = torch.randn(3, 5, 24)
+    (layer(x) * weights).sum().backward()
+    (ref(x_ref) * weights).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad, atol=1e-5, rtol=1e-5)
+    assert all(b.grad is None for b in layer.buffers())
+
+
 def test_xla_op_activation_quantization_is_w8a8():
     op, _, _ = _layer(8, -1, True, "xla_op", act=True)
     fb, _, _ = _layer(8, -1, True, "fallback")

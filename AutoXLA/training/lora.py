@@ -1,0 +1,79 @@
+"""LoRA on AutoXLA's quantized linears (QLoRA), through peft's own extension point.
+
+peft wraps ``nn.Linear`` and the quantized layers of the libraries it knows; for any other module
+it asks the ``LoraConfig`` for a custom LoRA layer (``LoraConfig._register_custom_module``, the
+only mapping peft consults before its own dispatchers). ``qlora(config)`` registers
+``QuantizedLoraLinear`` for AutoXLA's ``QuantizedLinear``, so that
+
+    model = get_peft_model(model, qlora(LoraConfig(r=8, target_modules=[...])))
+
+trains float adapters A and B beside an int8 or int4 base that stays as it is: the base's
+quantized weight is a buffer, never a parameter, so it gets no gradient and no optimizer state.
+Merging into the base is refused: its int8 / int4 codes cannot take a float update in place
+(merge into a float copy of the model instead).
+"""
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
+from torch import nn
+
+from ..quantization.linear import QuantizedLinear
+
+# LoraConfig options that change what the layer computes beyond A and B; none is built here.
+_UNSUPPORTED = ("use_dora", "use_qalora", "velora_config", "monteclora_config", "arrow_config",
+                "kasa_config")
+
+
+def qlora(config: LoraConfig) -> LoraConfig:
+    """``config``, able to wrap AutoXLA's quantized linears (returned for chaining)."""
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"qlora() takes a peft LoraConfig, got {type(config).__name__}")
+    config._register_custom_module({QuantizedLinear: QuantizedLoraLinear})
+    return config
+
+
+class QuantizedLoraLinear(nn.Module, LoraLayer):
+    """peft's LoRA layer around a ``QuantizedLinear``: ``base(x) + B(A(dropout(x))) * scaling``
+    with A and B in float (float32 unless the config says otherwise), the base frozen."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig,
+                 r: int = 0, lora_alpha: int = 1, **kwargs):
+        super().__init__()
+        LoraLayer.__init__(self, base_layer)
+        asked = [name for name in _UNSUPPORTED if getattr(config, name, None)]
+        if asked:
+            raise ValueError(f"LoRA on AutoXLA's quantized linear ({self.get_base_layer()!r}) "
+                             f"does not support {', '.join(asked)}: plain LoRA only; set "
+                             f"{asked[0]} off")
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError("adapter_names (a batch mixing adapters) is not supported on "
+                             "AutoXLA's quantized linears; activate one adapter set instead")
+        result = self.base_layer(x)
+        if self.disable_adapters:
+            return result
+        for name in self.active_adapters:
+            if name not in self.lora_A:
+                continue
+            a, b = self.lora_A[name], self.lora_B[name]
+            h = self.lora_dropout[name](self._cast_input_dtype(x, a.weight.dtype))
+            result = result + (b(a(h)) * self.scaling[name]).to(result.dtype)
+        return result
+
+    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+        raise ValueError(
+            f"cannot merge a LoRA adapter into AutoXLA's quantized linear "
+            f"({self.get_base_layer()!r}): its int8 / int4 codes cannot take the float update in "
+            "place. Save the adapter (model.save_pretrained) and merge it into the float "
+            "checkpoint, then quantize that again")
+
+    def unmerge(self) -> None:
+        return None          # never merged
+
+    def __repr__(self) -> str:
+        return "lora." + super().__repr__()

@@ -1,0 +1,93 @@
+"""QLoRA: peft's LoRA on AutoXLA's int4 / int8 quantized linears, through peft's extension point
+(``AutoXLA.training.qlora(config)``), on the xla runtime (issue 45).
+
+The reference is plain transformers + peft on the CPU with each quantized projection's weight
+replaced by what AutoXLA's quantized linear dequantizes to (the same base, in float): 20 AdamW
+steps on fixed batches give the same losses; only the adapters train; the quantized base (codes,
+scales) is bit-identical afterwards; no step after the first two compiles; merging is refused.
+"""
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from AutoXLA import backend
+from AutoXLA.modeling import AutoXLAModelForCausalLM
+from AutoXLA.quantization import QuantizationConfig
+from AutoXLA.quantization.linear import QuantizedLinear
+from AutoXLA.training import QuantizedLoraLinear, qlora
+
+from ..helpers import seed_lora_adapters
+from .test_lora import STEPS, TARGETS, _train
+
+# fp32 on both sides and the same float base: our quantized linear computes x @ dequant(W) on
+# the device where the reference multiplies by the dequantized copy, so the losses differ by
+# summation order only (~1e-7 of a loss near 7.4), as in test_lora.py. A lost adapter gradient,
+# a base that moved or an adapter skipped on a quantized layer moves a loss by > 1e-3 relative.
+LOSS_RTOL = 1e-5
+
+
+def _config() -> LoraConfig:
+    return LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+
+
+def _quantized_base(model) -> dict:
+    """name -> (codes, scales, ...) of every quantized linear, on the host."""
+    return {n: [t.detach().cpu().clone() for t in m.buffers()]
+            for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def _reference_losses(path: str, dequantized: dict) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            model.get_submodule(name).weight.copy_(weight)
+    model = get_peft_model(model, _config())
+    seed_lora_adapters(model)
+    model.train()
+    return _train(model, torch.device("cpu"))[0]
+
+
+@pytest.mark.parametrize("bits,strategy", [(4, "fsdp"), (4, "2d"), (8, "fsdp")])
+def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strategy, checkpoints,
+                                                                       xla_devices):
+    path = checkpoints["llama"]
+    model = AutoXLAModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, sharding_strategy=strategy, scan_layers=False, do_quant=True,
+        quantization_config=QuantizationConfig(bits=bits))
+    quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert {n.rsplit(".", 1)[1] for n in quantized} == set(TARGETS)
+    dequantized = {n: m.dequantized_weight(torch.float32).cpu() for n, m in quantized.items()}
+    base = _quantized_base(model)
+
+    model = get_peft_model(model, qlora(_config()))
+    wrapped = [m for m in model.modules() if isinstance(m, QuantizedLoraLinear)]
+    assert len(wrapped) == len(quantized)
+    seed_lora_adapters(model)
+    model.train()
+    compiles = []
+    losses, opt = _train(model, backend.device(), compiles)
+
+    want = _reference_losses(path, dequantized)
+    assert all(abs(g - w) <= LOSS_RTOL * abs(w) for g, w in zip(losses, want)), (losses, want)
+    assert losses[-1] < losses[0] - 0.1                 # the adapters do learn
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
+    assert len(opt.state) == len(trainable)             # optimizer state for the adapters only
+    after = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): bufs
+             for n, bufs in _quantized_base(model).items()}
+    assert set(after) == set(base)
+    assert all(torch.equal(a, b) for n in base for a, b in zip(after[n], base[n]))
+    assert sum(compiles[2:]) == 0, compiles
+
+
+def test_unsupported_variants_and_merging_are_refused_by_name(checkpoints, xla_devices):
+    model = AutoXLAModelForCausalLM.from_pretrained(
+        checkpoints["llama"], dtype=torch.float32, sharding_strategy="fsdp", scan_layers=False,
+        do_quant=True, quantization_config=QuantizationConfig(bits=4))
+    with pytest.raises(ValueError, match="does not support use_dora"):
+        get_peft_model(model, qlora(LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)))
+    model = get_peft_model(model, qlora(_config()))
+    with pytest.raises(ValueError, match="cannot merge a LoRA adapter into AutoXLA's quantized"):
+        model.merge_and_unload()
