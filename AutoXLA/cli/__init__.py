@@ -29,6 +29,14 @@
         traffic can need (a progress bar),
         then serve /v1/completions, /v1/chat/completions (streaming or not), /v1/models,
         /health and /metrics with continuous batching (docs/serving.md).
+    autoxla finetune PATH --data FILE.jsonl --lora-rank R --steps N --out DIR [--bits 8|4]
+                 [--strategy fsdp] [--dtype fp32] [--batch-size 8] [--grad-accum 1] [--lr 2e-4]
+                 [--warmup-steps W] [--buckets 64 128 256 512] [--eval-fraction F]
+                 [--eval-every K] [--save-every K] [--seed S] [--no-progress]
+        LoRA (QLoRA with --bits) on every linear projection of the decoder layers: chat,
+        prompt/completion or text records, loss on the answer; a line of JSON per step in
+        DIR/metrics.jsonl, commits in DIR/checkpoints (the same command resumes from the last),
+        the adapter in DIR/adapter in peft's format (docs/finetuning.md). xla runtime.
     autoxla eval-quant PATH [--formats int8,w8a8,int4-b32,q8_0,q4_0,...] [--bits 8 4]
                  [--text FILE] [--max-tokens N] [--strategy 2d] [--markdown] [--list]
         Accuracy of quantization formats against the float model, each loaded sharded: perplexity

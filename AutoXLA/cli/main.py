@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from . import demo, doctor, eval_quant, generate, plan, quantize, serve
+from . import demo, doctor, eval_quant, finetune, generate, plan, quantize, serve
 from . import __doc__ as usage
 
 # The verbs, in --help's order: (name, one-line help, module with add_arguments(p) and run(args)).
@@ -15,6 +15,8 @@ VERBS = [
     ("generate", "load a checkpoint sharded and stream generated text", generate),
     ("serve", "serve a checkpoint over HTTP (OpenAI's completions and chat) with continuous "
      "batching", serve),
+    ("finetune", "LoRA / QLoRA fine-tuning of a checkpoint on JSON-lines data, resumable",
+     finetune),
     ("eval-quant", "perplexity / SQNR and bytes per weight of quantization formats against the "
      "float model", eval_quant),
     ("quantize", "quantize a checkpoint on the CPU host (no XLA devices)", quantize),

@@ -60,9 +60,11 @@ def started_per_device(args, nproc: int | None) -> int | None:
     return next((c for c in codes if c), 0)
 
 
-def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtensor")):
+def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtensor"),
+               **loading):
     """(model, tokenizer, load seconds) for ``args`` of add_model_arguments; ``verb`` and
-    ``purpose`` name the command and what it does in the errors."""
+    ``purpose`` name the command and what it does in the errors; ``loading``: more keywords of
+    from_pretrained (finetune's scan_layers=False)."""
     runtime = runtime_of(args)
     if runtime not in runtimes_supported:
         raise ValueError(f"autoxla {verb} runs on the xla runtime only so far, and this "
@@ -98,5 +100,6 @@ def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtenso
     t0 = time.perf_counter()
     model = AutoXLAModelForCausalLM.from_pretrained(
         args.path, sharding_strategy=args.strategy, dtype=dtype, quantization_config=quant,
-        attn_implementation=args.attention, compile_cache=args.compile_cache, runtime=runtime)
+        attn_implementation=args.attention, compile_cache=args.compile_cache, runtime=runtime,
+        **loading)
     return model, tokenizer, time.perf_counter() - t0

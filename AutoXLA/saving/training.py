@@ -84,16 +84,18 @@ def _parse(entry: str) -> tuple[int, str] | None:
 class TrainingCheckpoints:
     """Training checkpoints under ``directory``: ``save(step, model, optimizer)`` after a step,
     ``restore(model, optimizer)`` to go on from the latest one (or ``step=``), ``keep`` the newest
-    steps only (None: all)."""
+    steps only (None: all). ``trainable_only``: the parameters that train (and their optimizer
+    state), not the frozen rest: a LoRA run's commits hold its adapters, not the base model."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int | None = None):
+    def __init__(self, directory: str | os.PathLike, keep: int | None = None,
+                 trainable_only: bool = False):
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise TrainingCheckpointError(f"{self.directory} is a file; training checkpoints need "
                                           "a directory: pass another path")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise TrainingCheckpointError(f"keep={keep!r}: keep at least 1 step, or None for all")
-        self.keep = keep
+        self.keep, self.trainable_only = keep, trainable_only
         self._lock = None        # the open lock file while this object is the directory's writer
         self._warned: set[str] = set()
 
@@ -162,7 +164,7 @@ class TrainingCheckpoints:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TrainingCheckpointError(f"step={step!r}: pass the training step as an int >= 0")
         model = _unwrap(model)
-        params = _named_state(model)
+        params = _named_state(model, self.trainable_only)
         state = {"model": params}
         manifest = {"format": FORMAT, "step": step, "model": _describe(params),
                     "stacked": _stacked_names(model), "saved_by": _saved_by(params),
@@ -268,7 +270,7 @@ class TrainingCheckpoints:
         the one that was saved, loaded the same way (same names and shapes, any mesh)."""
         step, path, manifest = self._committed(step)
         model = _unwrap(model)
-        params = _named_state(model)
+        params = _named_state(model, self.trainable_only)
         _check_same(manifest["model"], _describe(params), path)
         state = {"model": params}
         if optimizer is not None:
@@ -363,12 +365,16 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return unwrap(model)
 
 
-def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def _named_state(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by the model's own names (FSDPv2's wrapper names
-    dropped), each storage once: the names a model loaded the same way has on any mesh."""
-    persistent = persistent_buffer_names(model)
+    dropped), each storage once: the names a model loaded the same way has on any mesh; only
+    the parameters that train with ``trainable_only``."""
     named = list(model.named_parameters())
-    named += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    if trainable_only:
+        named = [(n, p) for n, p in named if p.requires_grad]
+    else:
+        persistent = persistent_buffer_names(model)
+        named += [(n, b) for n, b in model.named_buffers() if n in persistent]
     return {n.replace(_FSDP_WRAPPED, ""): t for n, t in named if t is not None}
 
 

@@ -34,6 +34,15 @@ def qlora(config: LoraConfig) -> LoraConfig:
     return config
 
 
+def save_adapter(model, directory) -> None:
+    """A peft model's adapter in peft's format (adapter_config.json, adapter_model.safetensors),
+    which plain transformers + peft load anywhere. Its tensors are copied to the host first:
+    safetensors cannot read an XLA device's; only the adapters are copied, not the base."""
+    adapters = {name: t.detach().cpu() for name, t in model.state_dict().items()
+                if "lora_" in name}
+    model.save_pretrained(directory, state_dict=adapters)
+
+
 class QuantizedLoraLinear(nn.Module, LoraLayer):
     """peft's LoRA layer around a ``QuantizedLinear``: ``base(x) + B(A(dropout(x))) * scaling``
     with A and B in float (float32 unless the config says otherwise), the base frozen."""

@@ -1,0 +1,76 @@
+"""`autoxla finetune PATH --data FILE.jsonl --lora-rank R --steps N --out DIR`: LoRA (QLoRA with
+--bits) on a checkpoint loaded sharded, with AutoXLA's loop (training/loop.py).
+
+The adapters wrap every linear projection of the decoder layers. Run it again with the same
+--out to resume from the last commit (a killed run continues where its last commit left it).
+Writes DIR/metrics.jsonl (a line per step), DIR/checkpoints/ and DIR/adapter/ (peft's format:
+loads with transformers + peft anywhere). On the xla runtime (docs/finetuning.md).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quantization.linear import QuantizedLinear
+from ..training import FinetuneConfig, finetune, qlora, read_records
+from .model_args import add_model_arguments, load_model
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    p.add_argument("--data", required=True, help="JSON lines: {'messages': [...]}, "
+                   "{'prompt', 'completion'} or {'text'} records")
+    p.add_argument("--out", required=True, help="directory for metrics, checkpoints and adapter")
+    p.add_argument("--lora-rank", type=int, required=True, help="LoRA rank r")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 r)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1, help="forwards per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--buckets", type=int, nargs="+", default=None,
+                   help="sequence lengths to pad to (default 64 128 256 512)")
+    p.add_argument("--eval-fraction", type=float, default=0.0, help="share held out")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--save-every", type=int, default=0, help="steps between commits")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def lora_targets(model) -> list[str]:
+    """The names of the decoder layers' linear projections (float or AutoXLA's quantized)."""
+    layers = model.get_decoder().layers
+    return sorted({name.rsplit(".", 1)[-1] for name, m in layers.named_modules()
+                   if isinstance(m, (nn.Linear, QuantizedLinear))})
+
+
+def run(args) -> int:
+    from peft import LoraConfig, get_peft_model
+
+    config = FinetuneConfig(
+        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+        warmup_steps=args.warmup_steps, eval_fraction=args.eval_fraction,
+        eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+        **({"buckets": tuple(args.buckets)} if args.buckets else {}))
+    if args.lora_rank < 1:
+        raise ValueError(f"--lora-rank {args.lora_rank}: give a rank >= 1")
+    records = read_records(args.data)
+    # peft cannot wrap the scanned stack's [layers, ...] tensors: the layers are loaded unrolled
+    model, tokenizer, seconds = load_model(args, "finetune", "fine-tune", ("xla",),
+                                           scan_layers=False)
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+                      lora_dropout=0.0, target_modules=lora_targets(model))
+    torch.manual_seed(args.seed)          # peft draws A from the global generator
+    model = get_peft_model(model, qlora(lora))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"loaded in {seconds:.1f} s; LoRA r={args.lora_rank} on {', '.join(lora.target_modules)}"
+          f": {trainable:,} trainable parameters")
+    result = finetune(model, tokenizer, records, config, args.out, progress=not args.no_progress)
+    if result.resumed_from:
+        print(f"resumed from step {result.resumed_from}")
+    last = result.steps[-1] if result.steps else None
+    if last is not None:
+        print(f"step {last['step']}: loss {last['loss']:.4f}"
+              + (f", eval loss {result.eval_losses[-1]['loss']:.4f}" if result.eval_losses else ""))
+    print(f"adapter: {result.adapter}")
+    return 0
