@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..quantization.linear import QuantizedLinear
+from ..testing.real_model import chat_prompt
 from ..training import FinetuneConfig, finetune, qlora, read_records
 from .model_args import add_model_arguments, load_model
 
@@ -35,6 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--save-every", type=int, default=0, help="steps between commits")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ask", default=None, help="a question to answer (greedy, through the chat "
+                   "template) before and after training, to see what it learned")
 
 
 def lora_targets(model) -> list[str]:
@@ -61,10 +64,12 @@ def run(args) -> int:
     lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                       lora_dropout=0.0, target_modules=lora_targets(model))
     torch.manual_seed(args.seed)          # peft draws A from the global generator
+    before = _answer(model, tokenizer, args.ask) if args.ask else None
     model = get_peft_model(model, qlora(lora))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"loaded in {seconds:.1f} s; LoRA r={args.lora_rank} on {', '.join(lora.target_modules)}"
-          f": {trainable:,} trainable parameters")
+    targets = ", ".join(sorted(lora.target_modules))
+    print(f"loaded in {seconds:.1f} s; LoRA r={args.lora_rank} on {targets}: {trainable:,} "
+          "trainable parameters")
     result = finetune(model, tokenizer, records, config, args.out, progress=not args.no_progress)
     if result.resumed_from:
         print(f"resumed from step {result.resumed_from}")
@@ -73,4 +78,17 @@ def run(args) -> int:
         print(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", eval loss {result.eval_losses[-1]['loss']:.4f}" if result.eval_losses else ""))
     print(f"adapter: {result.adapter}")
+    if args.ask:
+        model.eval()
+        after = _answer(model, tokenizer, args.ask)
+        print(f"asked: {args.ask}\n  before: {before}\n  after:  {after}")
     return 0
+
+
+def _answer(model, tokenizer, question: str, max_new_tokens: int = 32) -> str:
+    """The model's greedy answer to ``question`` through the chat template (or as it is)."""
+    text = chat_prompt(tokenizer, question) if tokenizer.chat_template else question
+    enc = tokenizer(text, return_tensors="pt", add_special_tokens=not tokenizer.chat_template)
+    out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask,
+                         max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True).strip()

@@ -67,7 +67,7 @@ def _check_record(record, where: str) -> None:
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{where}: no 'assistant' message: nothing to learn from")
     elif "prompt" in record or "completion" in record:
-        if not (isinstance(record.get("prompt"), str) and isinstance(record.get("completion"), str)):
+        if not all(isinstance(record.get(k), str) for k in ("prompt", "completion")):
             raise ValueError(f"{where}: 'prompt' and 'completion' must both be strings")
     elif not isinstance(record.get("text"), str):
         raise ValueError(f"{where}: a record needs 'messages', 'prompt' and 'completion', or "

@@ -43,8 +43,9 @@ def _records() -> list[dict]:
     records = []
     for i in range(20):
         a, b = i % 7 + 1, i % 5 + 2
+        answer = f"{a} plus {b} is {a + b}."
         records.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
+                                     {"role": "assistant", "content": answer}]})
     records.append({"prompt": "Name a colour:", "completion": " blue"})
     records.append({"text": "The quick brown fox jumps over the lazy dog. " * 4})
     return records
@@ -66,7 +67,8 @@ def test_records_tokenize_with_the_loss_on_the_answer_only(chat_checkpoint):
          {"role": "user", "content": "Again"}, {"role": "assistant", "content": "Hello again."}],
         tokenize=True, return_dict=True)["input_ids"]
     learned = tok.decode([t for t in chat.labels if t != IGNORE])
-    assert learned == "Hello there.<|im_end|>\nHello again.<|im_end|>\n"   # both answers, nothing else
+    # both answers (with the turn's end), nothing of the user's or the template's
+    assert learned == "Hello there.<|im_end|>\nHello again.<|im_end|>\n"
     pc = tokenize({"prompt": "Name a colour:", "completion": " blue"}, tok)
     answer = tok(" blue", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert [t for t in pc.labels if t != IGNORE] == answer and list(pc.ids[-len(answer):]) == answer
@@ -186,12 +188,19 @@ def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(chat_check
     path, _ = chat_checkpoint
     data = _write(tmp_path / "data.jsonl", _records())
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # every run asks (generating first compiles programs that change how XLA lays out the
+    # training step's, hence its last bits; AdamW's first update from peft's zero B turns those
+    # bits into a loss ~1e-4 apart): equal runs need equal programs
     args = lambda out: [path, "--data", str(data), "--lora-rank", "4", "--steps", "8",
                         "--out", str(out), "--dtype", "fp32", "--batch-size", "4",
                         "--buckets", "48", "64", "--save-every", "3", "--lr", "1e-3",
-                        "--devices", "8", "--no-progress"]
+                        "--devices", "8", "--no-progress", "--ask", "What is 2 plus 3?"]
     whole = _cli(args(tmp_path / "whole"), env)
-    assert whole.wait(timeout=600) == 0, whole.stdout.read()[-3000:]
+    printed = whole.communicate(timeout=600)[0]
+    assert whole.returncode == 0, printed[-3000:]
+    # the question answered by the base, then by the trained adapters (the tiny model's words
+    # are noise; the real model's before and after are in docs/finetuning.md)
+    assert "  before: " in printed and "  after:  " in printed, printed[-3000:]
 
     killed = _cli(args(tmp_path / "killed"), env)
     metrics = tmp_path / "killed" / "metrics.jsonl"
