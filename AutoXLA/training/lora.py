@@ -14,23 +14,27 @@ Merging into the base is refused: its int8 / int4 codes cannot take a float upda
 """
 from __future__ import annotations
 
+import functools
+
 import torch
-from peft import LoraConfig
-from peft.tuners.lora import LoraLayer
 from torch import nn
 
 from ..quantization.linear import QuantizedLinear
+from ..saving import save_pretrained
 
 # LoraConfig options that change what the layer computes beyond A and B; none is built here.
 _UNSUPPORTED = ("use_dora", "use_qalora", "velora_config", "monteclora_config", "arrow_config",
                 "kasa_config")
 
 
-def qlora(config: LoraConfig) -> LoraConfig:
-    """``config``, able to wrap AutoXLA's quantized linears (returned for chaining)."""
+def qlora(config):
+    """``config`` (a peft ``LoraConfig``), able to wrap AutoXLA's quantized linears (returned for
+    chaining)."""
+    from peft import LoraConfig
+
     if not isinstance(config, LoraConfig):
         raise TypeError(f"qlora() takes a peft LoraConfig, got {type(config).__name__}")
-    config._register_custom_module({QuantizedLinear: QuantizedLoraLinear})
+    config._register_custom_module({QuantizedLinear: quantized_lora_linear()})
     return config
 
 
@@ -43,46 +47,74 @@ def save_adapter(model, directory) -> None:
     model.save_pretrained(directory, state_dict=adapters)
 
 
-class QuantizedLoraLinear(nn.Module, LoraLayer):
-    """peft's LoRA layer around a ``QuantizedLinear``: ``base(x) + B(A(dropout(x))) * scaling``
-    with A and B in float (float32 unless the config says otherwise), the base frozen."""
-
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig,
-                 r: int = 0, lora_alpha: int = 1, **kwargs):
-        super().__init__()
-        LoraLayer.__init__(self, base_layer)
-        asked = [name for name in _UNSUPPORTED if getattr(config, name, None)]
-        if asked:
-            raise ValueError(f"LoRA on AutoXLA's quantized linear ({self.get_base_layer()!r}) "
-                             f"does not support {', '.join(asked)}: plain LoRA only; set "
-                             f"{asked[0]} off")
-        self._active_adapter = adapter_name
-        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
-
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if kwargs.get("adapter_names") is not None:
-            raise ValueError("adapter_names (a batch mixing adapters) is not supported on "
-                             "AutoXLA's quantized linears; activate one adapter set instead")
-        result = self.base_layer(x)
-        if self.disable_adapters:
-            return result
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
-            a, b = self.lora_A[name], self.lora_B[name]
-            h = self.lora_dropout[name](self._cast_input_dtype(x, a.weight.dtype))
-            result = result + (b(a(h)) * self.scaling[name]).to(result.dtype)
-        return result
-
-    def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+def merge_and_save(model, directory) -> nn.Module:
+    """A peft model's adapters merged into its float base (W + B A scaling, on the devices, as
+    peft merges), written by AutoXLA's save_pretrained as a full checkpoint that transformers and
+    from_pretrained load; returns the merged model (peft's wrappers gone). A quantized base is
+    refused: load the float checkpoint, attach the adapter (PeftModel.from_pretrained), merge
+    that, and quantize the result again (`autoxla quantize`) if wanted."""
+    quantized = [name for name, m in model.named_modules()
+                 if isinstance(getattr(m, "base_layer", None), QuantizedLinear)]
+    if quantized:
         raise ValueError(
-            f"cannot merge a LoRA adapter into AutoXLA's quantized linear "
-            f"({self.get_base_layer()!r}): its int8 / int4 codes cannot take the float update in "
-            "place. Save the adapter (model.save_pretrained) and merge it into the float "
-            "checkpoint, then quantize that again")
+            f"{quantized[0]} (and {len(quantized) - 1} more) wraps a quantized base, which "
+            "cannot take the float update: load the float checkpoint, attach the adapter "
+            "(PeftModel.from_pretrained(model, ADAPTER_DIR)), merge_and_save that, then "
+            "`autoxla quantize` the merged checkpoint")
+    merged = model.merge_and_unload()
+    save_pretrained(merged, directory)
+    return merged
 
-    def unmerge(self) -> None:
-        return None          # never merged
 
-    def __repr__(self) -> str:
-        return "lora." + super().__repr__()
+@functools.cache
+def quantized_lora_linear() -> type:
+    """``QuantizedLoraLinear``, the class: made on first use, when peft is imported. peft imports
+    accelerate, which imports torch_xla wherever it is installed, and the CLI, which every verb
+    loads, must not import torch_xla for `autoxla plan` and `autoxla quantize`."""
+    from peft.tuners.lora import LoraLayer
+
+    class QuantizedLoraLinear(nn.Module, LoraLayer):
+        """peft's LoRA layer around a ``QuantizedLinear``: ``base(x) + B(A(dropout(x))) * scaling``
+        with A and B in float (float32 unless the config says otherwise), the base frozen."""
+
+        def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig,
+                     r: int = 0, lora_alpha: int = 1, **kwargs):
+            super().__init__()
+            LoraLayer.__init__(self, base_layer)
+            asked = [name for name in _UNSUPPORTED if getattr(config, name, None)]
+            if asked:
+                raise ValueError(f"LoRA on AutoXLA's quantized linear ({self.get_base_layer()!r}) "
+                                 f"does not support {', '.join(asked)}: plain LoRA only; set "
+                                 f"{asked[0]} off")
+            self._active_adapter = adapter_name
+            self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config, **kwargs)
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if kwargs.get("adapter_names") is not None:
+                raise ValueError("adapter_names (a batch mixing adapters) is not supported on "
+                                 "AutoXLA's quantized linears; activate one adapter set instead")
+            result = self.base_layer(x)
+            if self.disable_adapters:
+                return result
+            for name in self.active_adapters:
+                if name not in self.lora_A:
+                    continue
+                a, b = self.lora_A[name], self.lora_B[name]
+                h = self.lora_dropout[name](self._cast_input_dtype(x, a.weight.dtype))
+                result = result + (b(a(h)) * self.scaling[name]).to(result.dtype)
+            return result
+
+        def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
+            raise ValueError(
+                f"cannot merge a LoRA adapter into AutoXLA's quantized linear "
+                f"({self.get_base_layer()!r}): its int8 / int4 codes cannot take the float "
+                "update in place. Save the adapter (model.save_pretrained) and merge it into the "
+                "float checkpoint, then quantize that again")
+
+        def unmerge(self) -> None:
+            return None          # never merged
+
+        def __repr__(self) -> str:
+            return "lora." + super().__repr__()
+
+    return QuantizedLoraLinear

@@ -4,7 +4,9 @@ model AutoXLA loaded (issue 45, first slice: the xla runtime, the decoder stack 
 Against transformers + peft on the CPU, the same adapters: 20 AdamW steps on fixed batches give
 the same losses under fsdp and 2d; only the adapters are trainable, get gradients and optimizer
 state; the base weights are bit-identical afterwards; after the first steps no step compiles a
-program. The scanned stack (the default) is refused with the fix in peft's own message.
+program. The scanned stack (the default) is refused with the fix in peft's own message. The
+adapters merged and saved (``merge_and_save``) load in plain transformers and in from_pretrained
+with the logits of the unmerged model.
 """
 import pytest
 import torch
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
+from AutoXLA.training import merge_and_save
 
 from ..helpers import seed_lora_adapters
 
@@ -103,3 +106,25 @@ def test_the_scanned_stack_names_the_fix(checkpoints, xla_devices):
                                                     sharding_strategy="fsdp")
     with pytest.raises(ValueError, match="scan_layers=False"):
         get_peft_model(model, _config())
+
+
+def test_merged_checkpoint_loads_in_transformers_and_from_pretrained(checkpoints, tmp_path,
+                                                                    xla_devices):
+    model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32,
+                                                    sharding_strategy="fsdp", scan_layers=False)
+    model = get_peft_model(model, _config())
+    seed_lora_adapters(model)                     # B non-zero: the merge changes every weight
+    ids = _batches()[0][:2]
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids.to(backend.device())).logits.cpu()
+    merge_and_save(model, tmp_path / "merged")
+    # fp32, W + B A merged on the device vs the adapters applied beside W: summation order only
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+    again = AutoXLAModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                    sharding_strategy="2d", scan_layers=False)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids.to(backend.device())).logits.cpu(), want,
+                                   rtol=1e-4, atol=1e-4)

@@ -15,7 +15,7 @@ from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
 from AutoXLA.quantization.linear import QuantizedLinear
-from AutoXLA.training import QuantizedLoraLinear, qlora
+from AutoXLA.training import merge_and_save, qlora, quantized_lora_linear
 
 from ..helpers import seed_lora_adapters
 from .test_lora import STEPS, TARGETS, _train
@@ -61,7 +61,7 @@ def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strat
     base = _quantized_base(model)
 
     model = get_peft_model(model, qlora(_config()))
-    wrapped = [m for m in model.modules() if isinstance(m, QuantizedLoraLinear)]
+    wrapped = [m for m in model.modules() if isinstance(m, quantized_lora_linear())]
     assert len(wrapped) == len(quantized)
     seed_lora_adapters(model)
     model.train()
@@ -91,3 +91,5 @@ def test_unsupported_variants_and_merging_are_refused_by_name(checkpoints, xla_d
     model = get_peft_model(model, qlora(_config()))
     with pytest.raises(ValueError, match="cannot merge a LoRA adapter into AutoXLA's quantized"):
         model.merge_and_unload()
+    with pytest.raises(ValueError, match="wraps a quantized base.*autoxla quantize"):
+        merge_and_save(model, "/nonexistent/never-written")

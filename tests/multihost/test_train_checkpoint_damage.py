@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +39,8 @@ def _same(a, b) -> bool:
             and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i]))
 
 
-# Each saver process waits for the "go" file, then tries to save steps 1..40 into one directory.
+# Each saver process says it is ready, waits for the "go" file, then tries to save steps 1..40
+# into one directory.
 _SAVER = textwrap.dedent("""
     import json, os, sys, time, torch
     from AutoXLA.saving.training import TrainingCheckpoints, TrainingCheckpointError
@@ -47,6 +50,7 @@ _SAVER = textwrap.dedent("""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(torch.ones(2, 16)).sum().backward(); opt.step()
     saves = TrainingCheckpoints(root, keep=5)
+    open(go + ".ready" + sys.argv[3], "w").close()
     while not os.path.exists(go):
         time.sleep(0.001)
     saved, refused = [], []
@@ -65,6 +69,14 @@ def test_two_saver_processes_one_writes_the_other_is_refused(tmp_path):
     savers = [subprocess.Popen([sys.executable, "-c", _SAVER, str(root), str(go), str(seed)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for seed in (0, 1)]
+    # Both start together: under load one process can take seconds longer to import torch, and
+    # one that finished its 40 saves (and exited, freeing the directory) before the other began
+    # would leave nothing to refuse.
+    deadline = time.time() + 300
+    while not all(Path(f"{go}.ready{seed}").exists() for seed in (0, 1)):
+        assert time.time() < deadline and all(p.poll() is None for p in savers), \
+            [p.communicate()[1][-3000:] for p in savers if p.poll() is not None]
+        time.sleep(0.01)
     go.write_text("")
     results = []
     for p in savers:
