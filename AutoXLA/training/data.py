@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,9 +146,7 @@ class Batches:
         self.examples, self.batch_size, self.buckets = examples, batch_size, buckets
         self.seed, self.pad_id = seed, pad_id
         self.cut = sum(len(e.ids) > buckets[-1] for e in examples)   # sequences cut to fit
-        sizes: dict[int, int] = {}
-        for e in examples:
-            sizes[self.bucket_of(e)] = sizes.get(self.bucket_of(e), 0) + 1
+        sizes = Counter(self.bucket_of(e) for e in examples)       # examples per bucket
         self.per_epoch = sum(-(-n // batch_size) for n in sizes.values())
         self._epochs: dict[int, list[tuple[int, list[int]]]] = {}
 

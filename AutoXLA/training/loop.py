@@ -96,10 +96,12 @@ def finetune(model, tokenizer, records: list[dict], config: FinetuneConfig, out_
                          "(get_peft_model) or leave some parameters requiring grad")
     train, held = split(records, config.eval_fraction, config.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = Batches([tokenize(r, tokenizer) for r in train], config.batch_size, config.buckets,
-                      config.seed, pad or 0)
-    evals = (Batches([tokenize(r, tokenizer) for r in held], config.batch_size, config.buckets,
-                     config.seed, pad or 0) if held else None)
+
+    def batched(records):
+        return Batches([tokenize(r, tokenizer) for r in records], config.batch_size,
+                       config.buckets, config.seed, pad or 0)
+
+    batches, evals = batched(train), (batched(held) if held else None)
 
     optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
     schedule = _schedule(optimizer, config)
