@@ -9,9 +9,9 @@ loads with transformers + peft anywhere). On the xla runtime (docs/finetuning.md
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from ..quantization.linear import QuantizedLinear
+from ..planning.adapters import plan_adapters
+from ..state import state_of
 from ..testing.real_model import chat_prompt
 from ..training import FinetuneConfig, finetune, qlora, read_records
 from .model_args import add_model_arguments, load_model
@@ -40,13 +40,6 @@ def add_arguments(p) -> None:
                    "template) before and after training, to see what it learned")
 
 
-def lora_targets(model) -> list[str]:
-    """The names of the decoder layers' linear projections (float or AutoXLA's quantized)."""
-    layers = model.get_decoder().layers
-    return sorted({name.rsplit(".", 1)[-1] for name, m in layers.named_modules()
-                   if isinstance(m, (nn.Linear, QuantizedLinear))})
-
-
 def run(args) -> int:
     from peft import LoraConfig, get_peft_model
 
@@ -61,15 +54,16 @@ def run(args) -> int:
     # peft cannot wrap the scanned stack's [layers, ...] tensors: the layers are loaded unrolled
     model, tokenizer, seconds = load_model(args, "finetune", "fine-tune", ("xla",),
                                            scan_layers=False)
+    # every decoder-layer projection, float or quantized: the plan names them
+    targets = plan_adapters(state_of(model).plan, args.lora_rank).targets
     lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
-                      lora_dropout=0.0, target_modules=lora_targets(model))
+                      lora_dropout=0.0, target_modules=list(targets))
     torch.manual_seed(args.seed)          # peft draws A from the global generator
     before = _answer(model, tokenizer, args.ask) if args.ask else None
     model = get_peft_model(model, qlora(lora))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    targets = ", ".join(sorted(lora.target_modules))
-    print(f"loaded in {seconds:.1f} s; LoRA r={args.lora_rank} on {targets}: {trainable:,} "
-          "trainable parameters")
+    print(f"loaded in {seconds:.1f} s; LoRA r={args.lora_rank} on {', '.join(targets)}: "
+          f"{trainable:,} trainable parameters")
     result = finetune(model, tokenizer, records, config, args.out, progress=not args.no_progress)
     if result.resumed_from:
         print(f"resumed from step {result.resumed_from}")

@@ -7,6 +7,7 @@ torch_xla or needs a device.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -14,6 +15,7 @@ from ..attention import IMPLEMENTATIONS, AttentionConfig
 from ..modeling.from_config import meta_model
 from ..modeling.pipeline import plan_for_mesh
 from ..planning import plot
+from ..planning.adapters import plan_adapters
 from ..planning import request as forecast_request
 from ..planning.communication import communication
 from ..planning.memory import OPTIMIZERS
@@ -68,6 +70,10 @@ def add_arguments(p) -> None:
                    "the plan says which mesh axis crosses which link (docs/multihost.md)")
     p.add_argument("--dcn-axes", default="data", help="with --slices: the axes that may cross "
                    "DCN, comma-separated, in order (default data; data,fsdp)")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R", help="plan LoRA adapters "
+                   "of rank R on every decoder-layer projection (the decoder stack unrolled, as "
+                   "fine-tuning loads it); with --train the base is frozen: gradients and "
+                   "optimizer states of the adapters only. --bits N for a quantized base (QLoRA)")
     p.add_argument("--plot", default=None, metavar="FILE", help="draw memory per device by "
                    "category against the chip's HBM: the chosen strategy, or with --recommend "
                    f"every ranked mesh side by side ({', '.join('.' + f for f in FORMATS)})")
@@ -79,17 +85,20 @@ def run(args) -> int:
     req = forecast_request.request(args)       # every flag checked before a model is built
     strategy = normalize_strategy(args.strategy)
     slices = _multislice(args, mesh_shape_for(strategy, req.devices))
+
+    def planned(s, m, slices=None):      # the plan, with the adapters asked for
+        plan = plan_for_mesh(r, config, s, m, req.scan, attention, attention_config, slices)
+        if req.lora_rank is None:
+            return plan
+        return dataclasses.replace(plan, adapters=plan_adapters(plan, req.lora_rank))
+
     with forecast_request.one_thread():
         r, config = meta_model(args.path, args.dtype, qcfg, on_tpu=not args.cpu)
-        mesh = mesh_shape_for(strategy, req.devices)
-        plan = plan_for_mesh(r, config, strategy, mesh, not args.no_scan, attention,
-                             attention_config, slices)
+        plan = planned(strategy, mesh_shape_for(strategy, req.devices), slices)
     kv = _kv_cache(plan, args, req)
     comm = _communication(plan, args)
     fc = forecast_request.forecast(req, plan, config)
-    ranking = forecast_request.recommend(req, lambda s, m: plan_for_mesh(
-        r, config, s, m, not args.no_scan, attention, attention_config), config
-    ) if req.recommend else None
+    ranking = forecast_request.recommend(req, planned, config) if req.recommend else None
     if args.json:
         print(json.dumps(_as_dict(plan, kv, comm, req, fc, ranking), indent=1))
     else:
@@ -99,7 +108,7 @@ def run(args) -> int:
             if part:
                 print(part)
     if req.plot is not None:
-        _plot(args.path, req, plan, strategy, mesh, fc, ranking)
+        _plot(args.path, req, plan, strategy, plan.mesh, fc, ranking)
     return 0
 
 

@@ -18,6 +18,7 @@ from ..sharding.configs import module_configs
 from ..sharding.decoder_stack import StackPlan, plan_stack
 from ..sharding.kv_cache import KVCachePlan, attention_shape, kv_cache_for
 from ..sharding.mesh import AXES, MeshShape, format_spec
+from .adapters import AdapterPlan
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,9 @@ class Plan:
     # The kernel each attention module runs, when the user asked for one (None: the model's own
     # attention throughout, unpatched).
     layer_attention: LayerAttentionPlan | None = None
+    # LoRA's adapters and their placements (planning/adapters.py), when the model is planned
+    # for fine-tuning (autoxla plan --lora-rank, AutoXLA.training.shard_adapters).
+    adapters: AdapterPlan | None = None
 
     def __getitem__(self, name: str) -> TensorPlan:
         index = self._by_name()
@@ -181,8 +185,11 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["mesh"] = dict(zip(AXES, self.mesh.sizes))
-        if self.layer_attention is None:    # added after format 1: present only when set
-            del d["layer_attention"]
+        for key in ("layer_attention", "adapters"):   # added after format 1: only when set
+            if d[key] is None:
+                del d[key]
+        if self.adapters is not None:
+            d["adapters"] = self.adapters.to_dict()
         d["format_version"] = 1
         return d
 
@@ -226,6 +233,8 @@ class Plan:
                 lines.append(self.layer_attention.heads.describe(self.mesh))
         if self.stack is not None:
             lines.append(self.stack.describe())
+        if self.adapters is not None:
+            lines.append(self.adapters.describe())
         if self.attention is not None:
             batch = self.mesh.size(("data", "fsdp"))    # the smallest batch that splits
             lines.append(f"generation: {self.kv_cache(batch, 2048).describe(self.mesh)} "

@@ -20,7 +20,7 @@ import torch
 from ..generation.engine import engine_of
 from ..saving import TrainingCheckpoints
 from .data import DEFAULT_BUCKETS, IGNORE, Batches, split, tokenize
-from .lora import save_adapter
+from .lora import save_adapter, shard_adapters
 
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
@@ -90,6 +90,8 @@ def finetune(model, tokenizer, records: list[dict], config: FinetuneConfig, out_
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     engine = engine_of(base)
     device = engine.device()
+    if hasattr(model, "peft_config"):      # the adapters placed as planned, before AdamW's states
+        shard_adapters(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters: wrap it with peft "

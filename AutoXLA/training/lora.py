@@ -14,13 +14,17 @@ Merging into the base is refused: its int8 / int4 codes cannot take a float upda
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import nn
 
+from ..generation.engine import engine_of
+from ..planning.adapters import AdapterPlan, plan_adapters
 from ..quantization.linear import QuantizedLinear
 from ..saving import save_pretrained
+from ..state import record_state, state_of
 
 # LoraConfig options that change what the layer computes beyond A and B; none is built here.
 _UNSUPPORTED = ("use_dora", "use_qalora", "velora_config", "monteclora_config", "arrow_config",
@@ -36,6 +40,48 @@ def qlora(config):
         raise TypeError(f"qlora() takes a peft LoraConfig, got {type(config).__name__}")
     config._register_custom_module({QuantizedLinear: quantized_lora_linear()})
     return config
+
+
+def shard_adapters(model) -> AdapterPlan:
+    """Places a peft model's LoRA adapters the way the plan says (planning/adapters.py: A split
+    like its base layer's input dim, B like its output dim) and records them in the model's plan
+    (``autoxla_plan.adapters``, its JSON too); returns that AdapterPlan. Call it after
+    ``get_peft_model`` and before the optimizer is made (``finetune`` does). Without it the
+    adapters stay whole on every device, which trains the same but costs their bytes, gradients
+    and optimizer states on every device. On the dtensor runtime the adapters are only planned:
+    one process trains them as plain tensors (docs/finetuning.md)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    state = state_of(base)
+    if state.plan is None:
+        raise ValueError(f"{type(base).__name__} was not loaded by AutoXLA (no autoxla_plan): "
+                         "load it with AutoXLAModelForCausalLM.from_pretrained first")
+    wrapped = _lora_layers(model)
+    if not wrapped:
+        raise ValueError("no LoRA layers found: wrap the model with peft's get_peft_model first")
+    ranks = {m.r[name] for m in wrapped.values() for name in m.lora_A}
+    dtypes = {str(m.lora_A[name].weight.dtype).removeprefix("torch.")
+              for m in wrapped.values() for name in m.lora_A}
+    plan = plan_adapters(state.plan, max(ranks), dtypes.pop() if len(dtypes) == 1 else "float32",
+                         tuple(sorted({path.rsplit(".", 1)[-1] for path in wrapped})))
+    if state.runtime is None:       # the xla runtime (another runtime is recorded by name)
+        engine = engine_of(base)
+        for path, layer in wrapped.items():
+            for which in ("lora_A", "lora_B"):
+                spec = plan.spec_of(path, which)
+                for linear in getattr(layer, which).values():
+                    engine.mark_sharding(linear.weight, state.mesh, spec)
+    if len(ranks) == 1:      # rank_pattern's mixed ranks: placed, but not one plan's bytes
+        record_state(base, plan=dataclasses.replace(state.plan, adapters=plan))
+    return plan
+
+
+def _lora_layers(model) -> dict:
+    """peft's LoRA layers by the path of the projection they wrap in the unwrapped model."""
+    from peft.tuners.lora import LoraLayer
+
+    prefix = "base_model.model."
+    return {name.removeprefix(prefix): m for name, m in model.named_modules()
+            if isinstance(m, LoraLayer)}
 
 
 def save_adapter(model, directory) -> None:

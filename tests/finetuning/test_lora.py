@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
-from AutoXLA.training import merge_and_save
+from AutoXLA.state import state_of
+from AutoXLA.training import merge_and_save, shard_adapters
 
 from ..helpers import seed_lora_adapters
 
@@ -78,6 +79,8 @@ def test_lora_steps_give_transformers_and_peft_losses(strategy, checkpoints, ref
     base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     model = get_peft_model(model, _config())
     seed_lora_adapters(model)
+    if strategy == "2d":   # placed as planned (the loop does this); fsdp: left as peft made them
+        _check_placements(model, shard_adapters(model))
     model.train()
     compiles = []
     losses, opt = _train(model, backend.device(), compiles)
@@ -98,6 +101,24 @@ def test_lora_steps_give_transformers_and_peft_losses(strategy, checkpoints, ref
     # the first steps compile (forward and backward, then the optimizer's first update, which
     # creates its state); every later step reuses those programs
     assert sum(compiles[2:]) == 0, compiles
+
+
+def _check_placements(model, planned):
+    """Each adapter's sharding on the devices is the one torch_xla gives a fresh tensor of its
+    planned spec, and the model's plan records the adapters."""
+    mesh = state_of(model.get_base_model()).mesh
+    assert model.autoxla_plan.adapters == planned and planned.rank == 8
+    adapters = {n.removeprefix("base_model.model.").replace(".default", ""): p
+                for n, p in model.named_parameters() if "lora_" in n}
+    assert set(adapters) == {t.name for t in planned.tensors}
+    split = 0
+    for t in planned.tensors:
+        fresh = torch.zeros(t.shape).to(backend.device())
+        backend.mark_sharding(fresh, mesh, t.spec)
+        backend.sync()
+        assert backend.sharding_spec(adapters[t.name]) == backend.sharding_spec(fresh), t.name
+        split += t.shard_shape != t.shape
+    assert split == len(planned.tensors)   # 2d: every A and B is split over fsdp or model
 
 
 def test_the_scanned_stack_names_the_fix(checkpoints, xla_devices):
