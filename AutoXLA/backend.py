@@ -386,6 +386,14 @@ def scan_loop(fn, init, xs, reverse: bool = False):
     return _scan_impl_pytree(fn, init, xs, reverse=reverse)
 
 
+def activation_checkpoint(function, *args, **kwargs):
+    """torch_xla's activation checkpoint (re-entrant; an optimization barrier keeps XLA from
+    merging the recomputed forward back into the first)."""
+    _xla()
+    from torch_xla.utils.checkpoint import checkpoint
+    return checkpoint(function, *args, **kwargs)
+
+
 def fsdpv2():
     """torch_xla's SpmdFullyShardedDataParallel and the helpers that go with it."""
     _xla()

@@ -85,8 +85,30 @@ def _no_cache_in_training(module, args, kwargs):
     return args, kwargs
 
 
+def _checkpoint_with_torch_xla(model: nn.Module) -> None:
+    """transformers' gradient_checkpointing_enable (which Trainer and TRL's SFTTrainer call, TRL
+    by default) checkpoints with torch.utils.checkpoint, which fails on an XLA tensor ("module
+    'torch' has no attribute 'xla'"). Route it to torch_xla's checkpoint, keeping the caller's
+    options except ``use_reentrant``: torch_xla's is re-entrant only (transformers then makes
+    the inputs require grad, as it does for peft)."""
+    original = getattr(model, "_set_gradient_checkpointing", None)
+    if original is None:
+        return
+
+    def set_checkpointing(enable: bool = True, gradient_checkpointing_func=None,
+                          every_n_layers: int = 1):
+        options = dict(getattr(gradient_checkpointing_func, "keywords", None) or {})
+        options.pop("use_reentrant", None)
+        func = functools.partial(backend.activation_checkpoint, **options)
+        return original(enable=enable, gradient_checkpointing_func=func,
+                        every_n_layers=every_n_layers)
+
+    model._set_gradient_checkpointing = set_checkpointing
+
+
 def wrap(model: nn.Module, plan, mesh, opts) -> nn.Module:
     stack = stack_of(model)
+    _checkpoint_with_torch_xla(model)
     layer_classes = decoder_layer_classes(model)
     if stack is not None:
         # The scanned loop recomputes each layer in its backward (checkpointing is built in) and
