@@ -154,10 +154,11 @@ def test_the_loop_gives_a_plain_loops_losses_and_a_portable_adapter(chat_checkpo
     assert lines[0]["lr"] == 0.0 and lines[2]["lr"] == CONFIG.lr       # warm-up, then cosine
     assert all(x["tokens"] > 0 and x["tokens_per_s"] > 0 for x in lines)
     # One program per step shape: per bucket a first and an accumulating micro-batch's forward
-    # and backward, and the optimizer's first and later updates; the eval's forwards come after
-    # the last step. Whatever order the buckets come in, nothing compiles twice.
+    # and backward, the optimizer's first and later updates, and the step's mean loss read back;
+    # the eval's forwards come after the last step. Whatever order the buckets come in, nothing
+    # compiles twice (bench/finetune.py counts 7 over 60 steps of both buckets in every order).
     compiles = [x["compiles"] for x in lines]
-    assert sum(compiles) <= 2 * len(CONFIG.buckets) + 2, compiles
+    assert sum(compiles) <= 2 * len(CONFIG.buckets) + 3, compiles
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()
                   if p.name.startswith("step-")) == ["step-00000004", "step-00000006"]  # keep=2
     saved = json.loads((tmp_path / "checkpoints" / "step-00000006" / "autoxla-train.json")
