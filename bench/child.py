@@ -34,6 +34,35 @@ def run_json_child(args: list[str], limit: float, devices: int = 8) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_sampled(cmd: list[str], env: dict, cap_gib: float) -> dict:
+    """``cmd`` as a child, its RSS sampled every 20 ms and the child stopped above ``cap_gib``
+    (rather than left to the kernel's OOM killer): {"peak_gib", "wall_s"} and its last stdout
+    line's JSON, or "error" (stopped, or its exit code and last stderr line)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, stopped, page = 0, "", os.sysconf("SC_PAGE_SIZE")
+    while p.poll() is None:
+        try:
+            with open(f"/proc/{p.pid}/statm") as f:
+                peak = max(peak, int(f.read().split()[1]) * page)
+        except (OSError, ValueError):
+            pass
+        if peak > cap_gib * 2**30:
+            p.kill()
+            stopped = (f"stopped at {peak / 2**30:.1f} GiB RSS (cap {cap_gib} GiB) after "
+                       f"{time.perf_counter() - t0:.0f} s")
+            break
+        time.sleep(0.02)
+    stdout, stderr = p.communicate()
+    result = {"peak_gib": peak / 2**30, "wall_s": time.perf_counter() - t0}
+    if stopped:
+        return {**result, "error": stopped}
+    if p.returncode != 0:
+        tail = (stderr.strip().splitlines() or ["?"])[-1]
+        return {**result, "error": f"exit {p.returncode}: {tail[:200]}"}
+    return {**result, **json.loads(stdout.strip().splitlines()[-1])}
+
+
 def decode_checkpoints(models, tmp) -> dict[str, tuple[str, str]]:
     """name -> (checkpoint, tokenizer directory or ""), for the decode benchmarks' ``models``:
     the tiny Llama saved into ``tmp`` (token ids, no tokenizer), the real SmolLM2 (converted once)."""

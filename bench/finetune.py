@@ -30,13 +30,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from child import ROOT, child_env
+from child import ROOT, child_env, run_sampled
 from memory import rss
 
 sys.path.insert(0, str(ROOT))
@@ -180,30 +179,8 @@ def qlora7b(path: str, batch: int, seq: int, steps: int) -> dict:
 
 
 def spawn(args_list: list[str], cap: float, devices: int = 8) -> dict:
-    """This script as a child: its JSON result with its peak RSS (stopped above ``cap`` GiB)."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, __file__, *args_list], env=child_env(devices),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, stopped, page = 0, "", os.sysconf("SC_PAGE_SIZE")
-    while p.poll() is None:
-        try:
-            with open(f"/proc/{p.pid}/statm") as f:
-                peak = max(peak, int(f.read().split()[1]) * page)
-        except (OSError, ValueError):
-            pass
-        if peak > cap * 2**30:
-            p.kill()
-            stopped = f"stopped at {peak / 2**30:.1f} GiB RSS (cap {cap} GiB)"
-            break
-        time.sleep(0.02)
-    stdout, stderr = p.communicate()
-    result = {"peak_gib": peak / 2**30, "wall_s": time.perf_counter() - t0}
-    if stopped:
-        return {**result, "error": stopped}
-    if p.returncode != 0:
-        tail = (stderr.strip().splitlines() or ["?"])[-1]
-        return {**result, "error": f"exit {p.returncode}: {tail[:200]}"}
-    return {**result, **json.loads(stdout.strip().splitlines()[-1])}
+    """This script as a child on ``devices`` devices, stopped above ``cap`` GiB of RSS."""
+    return run_sampled([sys.executable, __file__, *args_list], child_env(devices), cap)
 
 
 def _tokens_per_s(r: dict, tokens_per_step: int) -> float:

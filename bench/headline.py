@@ -22,12 +22,11 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from child import child_env
+from child import child_env, run_sampled
 from memory import PeakRSS, rss
 
 CACHE = Path(os.environ.get("AUTOXLA_BENCH_CACHE", Path.home() / ".cache" / "autoxla" / "bench"))
@@ -142,33 +141,10 @@ def transformers_load(path: str) -> dict:
 
 
 def spawn(side: str, path: Path, args) -> dict:
-    """Runs one side in a child; samples its RSS every 20 ms and stops it above ``args.cap``."""
+    """Runs one side in a child, stopped above ``args.cap`` GiB of RSS."""
     cmd = [sys.executable, __file__, "--child", side, "--path", str(path),
            "--strategy", args.strategy, "--tokens", str(args.tokens)]
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, stopped = 0, ""
-    page = os.sysconf("SC_PAGE_SIZE")
-    while p.poll() is None:
-        try:
-            with open(f"/proc/{p.pid}/statm") as f:
-                peak = max(peak, int(f.read().split()[1]) * page)
-        except (OSError, ValueError):
-            pass
-        if peak > args.cap * 2**30:
-            p.kill()
-            stopped = f"stopped at {peak / 2**30:.1f} GiB RSS (cap {args.cap} GiB) after " \
-                      f"{time.perf_counter() - t0:.0f} s"
-            break
-        time.sleep(0.02)
-    stdout, stderr = p.communicate()
-    result = {"peak_gib": peak / 2**30, "wall_s": time.perf_counter() - t0}
-    if stopped:
-        return {**result, "error": stopped}
-    if p.returncode != 0:
-        tail = (stderr.strip().splitlines() or ["?"])[-1]
-        return {**result, "error": f"exit {p.returncode}: {tail[:160]}"}
-    return {**result, **json.loads(stdout.strip().splitlines()[-1])}
+    return run_sampled(cmd, child_env(), args.cap)
 
 
 def main() -> int:

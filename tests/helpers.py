@@ -216,3 +216,22 @@ def seed_lora_adapters(model) -> None:
                 key = name.split("layers.", 1)[1]
                 g = torch.Generator().manual_seed(sum(map(ord, key)))
                 p.copy_((0.02 * torch.randn(p.shape, generator=g)).to(p.device))
+
+
+def saved_by_first_layer(decoder, hidden: int, dtype, b: int = 2, s: int = 16) -> int:
+    """Bytes of every storage autograd saves while ``decoder``'s first layer runs forward on a
+    random [b, s, hidden] input (saved_tensors_hooks), its weights and the shared rotary cos/sin
+    excluded: what the memory forecast's per-layer activations are checked against."""
+    x = torch.randn(b, s, hidden, dtype=dtype, requires_grad=True)
+    pos = torch.arange(s)[None].expand(b, s)
+    cos_sin = decoder.rotary_emb(x, pos)
+    skip = {t.untyped_storage().data_ptr() for t in [*decoder.parameters(), *cos_sin]}
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        decoder.layers[0](x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
+    return sum(n for ptr, n in seen.items() if ptr not in skip)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 from torch import nn
@@ -42,10 +43,11 @@ def qlora(config):
     return config
 
 
-def shard_adapters(model) -> AdapterPlan:
+def shard_adapters(model) -> AdapterPlan | None:
     """Places a peft model's LoRA adapters the way the plan says (planning/adapters.py: A split
     like its base layer's input dim, B like its output dim) and records them in the model's plan
-    (``autoxla_plan.adapters``, its JSON too); returns that AdapterPlan. Call it after
+    (``autoxla_plan.adapters``, its JSON too); returns that AdapterPlan (None when no adapter
+    sits in a decoder layer: those elsewhere, such as on lm_head, stay whole). Call it after
     ``get_peft_model`` and before the optimizer is made (``finetune`` does). Without it the
     adapters stay whole on every device, which trains the same but costs their bytes, gradients
     and optimizer states on every device. On the dtensor runtime the adapters are only planned:
@@ -58,6 +60,10 @@ def shard_adapters(model) -> AdapterPlan:
     wrapped = _lora_layers(model)
     if not wrapped:
         raise ValueError("no LoRA layers found: wrap the model with peft's get_peft_model first")
+    # the plan places the decoder layers' adapters; one elsewhere (lm_head) stays whole
+    wrapped = {path: m for path, m in wrapped.items() if _IN_LAYER.search(path)}
+    if not wrapped:
+        return None
     ranks = {m.r[name] for m in wrapped.values() for name in m.lora_A}
     dtypes = {str(m.lora_A[name].weight.dtype).removeprefix("torch.")
               for m in wrapped.values() for name in m.lora_A}
@@ -73,6 +79,9 @@ def shard_adapters(model) -> AdapterPlan:
     if len(ranks) == 1:      # rank_pattern's mixed ranks: placed, but not one plan's bytes
         record_state(base, plan=dataclasses.replace(state.plan, adapters=plan))
     return plan
+
+
+_IN_LAYER = re.compile(r"\.layers\.\d+\.")
 
 
 def _lora_layers(model) -> dict:

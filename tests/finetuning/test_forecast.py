@@ -15,6 +15,8 @@ from AutoXLA.planning.memory import (LayerShape, TrainingSetup, layer_saved_byte
                                      lora_saved_bytes_per_token, training_forecast)
 from AutoXLA.testing.tiny import tiny_config
 
+from ..helpers import saved_by_first_layer
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -94,27 +96,14 @@ def test_layer_activations_with_lora_match_what_autograd_saves(dtype):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     model = get_peft_model(model, LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
-    layer = model.base_model.model.model.layers[0]
     b, s = 2, 16
-    x = torch.randn(b, s, config.hidden_size, dtype=dtype, requires_grad=True)
-    pos = torch.arange(s)[None].expand(b, s)
-    cos_sin = model.base_model.model.model.rotary_emb(x, pos)
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *cos_sin]}
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
-    saved = sum(n for p, n in seen.items() if p not in skip)
+    saved = saved_by_first_layer(model.base_model.model.model, config.hidden_size, dtype, b, s)
     e = torch.empty((), dtype=dtype).element_size()
-    plan = _with_adapters(plan_from_config(config, "fsdp", 1, {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype],
-                                           scan_layers=False), 4)
-    per_token = (layer_saved_bytes_per_token(LayerShape.from_config(config), e)
-                 + lora_saved_bytes_per_token(LayerShape.from_config(config), plan.adapters,
-                                              plan.dtype, 1))
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    plan = _with_adapters(plan_from_config(config, "fsdp", 1, name, scan_layers=False), 4)
+    shape = LayerShape.from_config(config)
+    per_token = (layer_saved_bytes_per_token(shape, e)
+                 + lora_saved_bytes_per_token(shape, plan.adapters, plan.dtype, 1))
     tolerance = 0.01 if dtype == torch.float32 else 0.05
     assert saved / (b * s * per_token) == pytest.approx(1.0, abs=tolerance), (saved, per_token)
 

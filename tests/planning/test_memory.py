@@ -11,6 +11,8 @@ from AutoXLA.planning.memory import (InferenceSetup, LayerShape, TrainingSetup,
                                      training_forecast)
 from AutoXLA.testing.tiny import tiny_config
 
+from ..helpers import saved_by_first_layer
+
 
 def _optimizer(name, params):
     from AutoXLA.optim import CAME, SM3, Lion
@@ -77,20 +79,7 @@ def test_layer_activations_match_what_autograd_saves(family, dtype):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     b, s = 2, 16
-    x = torch.randn(b, s, config.hidden_size, dtype=dtype, requires_grad=True)
-    pos = torch.arange(s)[None].expand(b, s)
-    cos_sin = model.model.rotary_emb(x, pos)
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *cos_sin]}
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[0](x, position_embeddings=cos_sin, attention_mask=None,
-                              position_ids=pos)
-    saved = sum(n for p, n in seen.items() if p not in skip)
+    saved = saved_by_first_layer(model.model, config.hidden_size, dtype, b, s)
     forecast = b * s * layer_saved_bytes_per_token(LayerShape.from_config(config),
                                                    torch.empty((), dtype=dtype).element_size())
     assert forecast == pytest.approx(saved, rel=0.02), (forecast, saved)
