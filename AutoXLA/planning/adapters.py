@@ -12,6 +12,7 @@ to a peft model on the devices.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass
 
@@ -47,10 +48,10 @@ class AdapterPlan:
         return sum(t.bytes_per_device for t in self.tensors)
 
     def total_bytes(self) -> int:
-        return sum(_numel(t.shape) for t in self.tensors) * _ELEMENT[self.dtype]
+        return self.parameters() * _ELEMENT[self.dtype]
 
     def parameters(self) -> int:
-        return sum(_numel(t.shape) for t in self.tensors)
+        return sum(math.prod(t.shape) for t in self.tensors)
 
     def spec_of(self, module: str, which: str) -> tuple:
         """The spec of ``which`` ("lora_A" or "lora_B") of the projection at ``module``."""
@@ -87,13 +88,6 @@ class AdapterPlan:
 _ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def plan_adapters(plan, rank: int, dtype: str = "float32",
                   targets: tuple[str, ...] | None = None) -> AdapterPlan:
     """The adapters of LoRA rank ``rank`` on ``plan``'s decoder-layer projections (``targets``:
@@ -124,7 +118,7 @@ def plan_adapters(plan, rank: int, dtype: str = "float32",
         # A quantized weight's codes are [out, in or in/2]; its float source may be stored
         # transposed (a Conv1D's [in, out]): out from the codes, in from the element count.
         out_features = t.shape[0]
-        in_features = _numel(t.source_shape) // out_features if t.backend else t.shape[1]
+        in_features = math.prod(t.source_shape) // out_features if t.backend else t.shape[1]
         out_axis, in_axis = t.spec
         for which, shape, spec in (("lora_A", (rank, in_features), (None, in_axis)),
                                    ("lora_B", (out_features, rank), (out_axis, None))):
@@ -132,6 +126,6 @@ def plan_adapters(plan, rank: int, dtype: str = "float32",
             spec = tuple(a if s % plan.mesh.size(a) == 0 else None for s, a in zip(shape, spec))
             shard = tuple(s // plan.mesh.size(a) for s, a in zip(shape, spec))
             out.append(AdapterTensor(f"{module}.{which}.weight", module, shape, spec, shard,
-                                     _numel(shard) * e))
+                                     math.prod(shard) * e))
     names = tuple(sorted({t.module.rsplit(".", 1)[-1] for t in out}))
     return AdapterPlan(rank, dtype, names, tuple(out))
