@@ -117,8 +117,8 @@ def embeds_and_q_proj_grads(m, ids, mask, weights, dev):
     """Gradients of a weighted sum of every valid logit with respect to the input embeddings
     and layer 0's q_proj weight (a scanned stack's layer 0 is row 0 of its stacked tensor)."""
     embeds = m.get_input_embeddings()(ids.to(dev)).detach().requires_grad_(True)
-    stacked = getattr(m.model.layers, "stacked", None)
-    attn = (stacked.self_attn.q_proj.weight if stacked is not None
+    scanned = hasattr(m.model.layers, "stacked_tensors")
+    attn = (m.model.layers.stacked_tensors()["self_attn.q_proj.weight"] if scanned
             else m.model.layers[0].self_attn.q_proj.weight)
     m.zero_grad(set_to_none=True)
     logits = m(inputs_embeds=embeds, attention_mask=mask.to(dev)).logits

@@ -51,9 +51,9 @@ def run(args) -> int:
     if args.lora_rank < 1:
         raise ValueError(f"--lora-rank {args.lora_rank}: give a rank >= 1")
     records = read_records(args.data)
-    # peft cannot wrap the scanned stack's [layers, ...] tensors: the layers are loaded unrolled
-    model, tokenizer, seconds = load_model(args, "finetune", "fine-tune", ("xla",),
-                                           scan_layers=False)
+    # scanned by default (one layer compiled whatever the depth): the loop's shard_adapters
+    # stacks the adapters with their layers
+    model, tokenizer, seconds = load_model(args, "finetune", "fine-tune", ("xla",))
     # every decoder-layer projection, float or quantized: the plan names them
     targets = plan_adapters(state_of(model).plan, args.lora_rank).targets
     lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,

@@ -64,7 +64,7 @@ def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtenso
                **loading):
     """(model, tokenizer, load seconds) for ``args`` of add_model_arguments; ``verb`` and
     ``purpose`` name the command and what it does in the errors; ``loading``: more keywords of
-    from_pretrained (finetune's scan_layers=False)."""
+    from_pretrained."""
     runtime = runtime_of(args)
     if runtime not in runtimes_supported:
         raise ValueError(f"autoxla {verb} runs on the xla runtime only so far, and this "

@@ -20,9 +20,15 @@ generation's static one or an empty dynamic one, a slice the groups do not tile.
 
 Backward (training): the loop saves only each step's input hidden states and recomputes the
 step's forward inside a reverse loop (layer-wise rematerialisation, as gradient checkpointing),
-so activation memory is one layer's plus ``layers x hidden`` inputs, whatever the depth.
+so activation memory is one layer's plus ``layers x hidden`` inputs, whatever the depth; only the
+stacked tensors that train get gradients.
 
-One module at ~620 lines on purpose: the stacking, the recorders, the loop and its backward
+Tensors added to the layers after loading (peft's LoRA adapters: peft wraps the shells'
+projections, whose weights then read ``...q_proj.base_layer.weight``) are stacked too, by
+``stack_new_tensors`` (``AutoXLA.training.shard_adapters`` calls it); until then the stack
+refuses to run, since its one traced layer would use the first layer's copy for every layer.
+
+One module at ~750 lines on purpose: the stacking, the recorders, the loop and its backward
 share the recorded-call format and the stacked tensors' layout; split, each half would have to
 know the other's internals.
 """
@@ -43,16 +49,15 @@ logger = logging.getLogger("AutoXLA")
 
 
 class StackedTensors(nn.Module):
-    """Holds the stacked ``[layers, ...]`` tensors under the layer's own module paths
-    (``stacked.self_attn.q_proj.weight``); plain modules, never called."""
+    """Holds the stacked ``[layers, ...]`` tensors of the scanned layers, never called. Flat: each
+    tensor sits under its path in the layer with "/" for "." (``self_attn/q_proj/weight``), so no
+    module here is named like a layer's module. peft finds the projections it wraps by module
+    name (``...q_proj``) and must find only the layers' own (modeling/scan.py's module doc)."""
 
-    def extra_repr(self) -> str:
-        # What a module holding stacked tensors says where it is printed: peft's "Target module
-        # StackedTensors(...) is not supported" (get_peft_model on a scanned model) included
-        if not (self._parameters or self._buffers):
-            return ""
-        return ("every scanned decoder layer's tensors, stacked by AutoXLA; to wrap them with "
-                "peft (LoRA), load with scan_layers=False")
+
+def _key(name: str) -> str:
+    """A layer tensor's name (``self_attn.q_proj.weight``) as StackedTensors holds it."""
+    return name.replace(".", "/")
 
 
 class StackedDecoderLayers(nn.Module):
@@ -68,6 +73,7 @@ class StackedDecoderLayers(nn.Module):
         self.stack_plan = plan
         self.output_hook = None      # set by wrap: activation sharding of each layer's output
         self.last_mode = ""          # "scanned" or "unrolled: <why>", for tests and the CLI
+        self._layout_cache = None    # (_module_tree_version() when made, _Layout)
         # state_dict() speaks transformers' per-layer names; load_state_dict takes them back.
         self._register_state_dict_hook(_unstack_state)
         self._register_load_state_dict_pre_hook(_restack_state, with_module=True)
@@ -106,10 +112,61 @@ class StackedDecoderLayers(nn.Module):
         return range(self.stack_plan.start, len(self))
 
     def stacked_tensors(self) -> dict[str, torch.Tensor]:
-        """Per-layer name (``self_attn.q_proj.weight``) -> its ``[layers, ...]`` tensor."""
-        named = dict(self.stacked.named_parameters())
-        named.update(self.stacked.named_buffers())
-        return named
+        """Per-layer name (``self_attn.q_proj.weight``) -> its ``[layers, ...]`` tensor. The names
+        are the layer modules' paths now: once peft wraps a projection its weight is
+        ``self_attn.q_proj.base_layer.weight``, as in the unscanned peft model."""
+        held = {**self.stacked._parameters, **self.stacked._buffers}
+        return {name: held[key] for name, key in self._layout().links.items()}
+
+    def stacked_keys(self) -> dict[str, str]:
+        """Per-layer name -> the key StackedTensors holds its tensor under (``stacked.<key>`` in
+        the model's parameter names)."""
+        return dict(self._layout().links)
+
+    def _layout(self) -> "_Layout":
+        # Recomputed only when a module was set anywhere since (peft wraps or unwraps a
+        # projection by setting it): one counter read per forward, not a walk of every layer.
+        version = _module_tree_version()
+        if self._layout_cache is None or self._layout_cache[0] != version:
+            start = self.stack_plan.start
+            links, loose = {}, []
+            for path, m in self.shells[start].named_modules():
+                stacked = m.__dict__.get("_autoxla_stacked")
+                for leaf in stacked[3] if stacked else ():
+                    links[f"{path}.{leaf}" if path else leaf] = stacked[1] + leaf
+            for i in self.scanned_layers:
+                loose += [f"{i}.{name}" for name in _own_tensors(self.shells[i])]
+            self._layout_cache = (version, _Layout(links, tuple(loose)))
+        return self._layout_cache[1]
+
+    def release_unread(self) -> list[str]:
+        """Drops the stacked tensors that no layer module reads any more (peft's adapters once
+        its wrappers are gone, merged or not); returns their keys."""
+        read = set(self._layout().links.values())
+        gone = [k for k in (*self.stacked._parameters, *self.stacked._buffers) if k not in read]
+        for key in gone:
+            self.stacked._parameters.pop(key, None)
+            self.stacked._buffers.pop(key, None)
+        return gone
+
+    def stack_new_tensors(self, spec_of, mesh) -> list[str]:
+        """Moves the tensors added to the scanned layers since loading (peft's LoRA adapters)
+        into the stack, ``[layers, ...]`` each, placed as ``spec_of(per-layer name)`` says with
+        the layer axis unsplit; returns their per-layer names. Until then the loop cannot run:
+        its one traced layer would use the first layer's copy for every layer."""
+        shells = self.shells[self.stack_plan.start:]
+        held = [sorted(_own_tensors(shell)) for shell in shells]
+        odd = next((i for i, names in enumerate(held) if names != held[0]), None)
+        if odd is not None:
+            raise ValueError(
+                f"the scanned decoder layers hold different new tensors (layer "
+                f"{self.stack_plan.start}: {held[0][:2]}..., layer {self.stack_plan.start + odd}: "
+                f"{held[odd][:2]}...), so one traced layer cannot run them all: LoRA on some "
+                "layers only (peft's layers_to_transform)? Target every layer, or load with "
+                "scan_layers=False")
+        names = _stack_into(self.stacked, shells, spec_of, mesh)
+        self._layout_cache = None
+        return names
 
     def per_layer_items(self, prefix: str):
         """(``{prefix}{i}.{name}``, layer i's slice) for every stacked tensor: the names and
@@ -121,6 +178,15 @@ class StackedDecoderLayers(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def run(self, indices: range, calls: list["_Call"]) -> torch.Tensor:
+        loose = self._layout().loose
+        if loose:
+            layer, _, name = loose[0].partition(".")
+            raise RuntimeError(
+                f"decoder layer {layer} holds {name} (and {len(loose) - 1} more tensors) "
+                "outside the scanned stack, added after loading (peft's "
+                "get_peft_model adds the LoRA adapters so): call AutoXLA.training."
+                "shard_adapters(model) after get_peft_model and before making the optimizer, "
+                "which stacks them with their layers")
         why = self._why_unrolled(indices, calls)
         if not why:
             frozen = _freeze([c.without_cache() for c in calls[:self.stack_plan.group]])
@@ -217,14 +283,49 @@ def _unstack_state(module, state, prefix, local_metadata):
 
 
 def _restack_state(module, state, prefix, local_metadata, strict, missing, unexpected, errors):
-    # The prefix layers' names stay: those layers are whole modules and load their own.
+    # The prefix layers' names stay: those layers are whole modules and load their own; so do
+    # tensors a scanned layer holds itself (peft's adapters before shard_adapters stacks them).
+    keys = module.stacked_keys()
     by_name: dict[str, dict[int, str]] = {}
     for key in list(state):
         head, _, rest = key[len(prefix):].partition(".")
-        if key.startswith(prefix) and head.isdigit() and int(head) in module.scanned_layers:
+        if (key.startswith(prefix) and head.isdigit() and int(head) in module.scanned_layers
+                and rest in keys):
             by_name.setdefault(rest, {})[int(head)] = key
-    for rest, keys in by_name.items():
-        state[f"{prefix}stacked.{rest}"] = torch.stack([state.pop(keys[i]) for i in sorted(keys)])
+    for rest, names in by_name.items():
+        state[f"{prefix}stacked.{keys[rest]}"] = torch.stack([state.pop(names[i])
+                                                             for i in sorted(names)])
+
+
+def _own_tensors(shell: nn.Module):
+    """The names of the tensors ``shell``'s modules hold themselves (a shell holds none until
+    something adds them after loading)."""
+    for path, m in shell.named_modules():
+        for n, t in (*m._parameters.items(), *m._buffers.items()):
+            if t is not None:
+                yield f"{path}.{n}" if path else n
+
+
+_TREE_VERSION = [0]
+
+
+def _count_module_set(module, name, value):
+    _TREE_VERSION[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_module_set)
+
+
+def _module_tree_version() -> int:
+    """How many times a module was set as another's child, in this process (torch's global
+    module registration hook): unchanged means no layer was wrapped or unwrapped since."""
+    return _TREE_VERSION[0]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    links: dict          # per-layer name (its module path now) -> StackedTensors key
+    loose: tuple         # tensors a scanned layer holds itself (none, but added after loading)
 
 
 @dataclass
@@ -325,7 +426,8 @@ class _Step:
             elif self.collect:
                 cache = StepCache(None, None, None)
             args, kw = _with_cache(*arguments[j], self.cache_slot, cache)
-            hidden = _call_layer(shell, {n: w[j] for n, w in weights.items()}, hidden, args, kw)
+            hidden = _call_layer(shell, {n: w[j] for n, w in weights.items()}, hidden, args, kw,
+                                 in_loop=True)
             if self.output_hook is not None:
                 self.output_hook(hidden)
             if cache is not None:
@@ -357,6 +459,9 @@ class _RematScan(torch.autograd.Function):
         with torch.no_grad():
             (out, _), (inputs, kv) = backend.scan_loop(fwd, (hidden, consts), weights)
         ctx.step, ctx.consts, ctx.names = replace(step, collect=False), consts, names
+        # Only the weights that train get a gradient: a frozen base (LoRA) or a quantized one
+        # (integer codes) would otherwise cost a [layers, ...] gradient of every weight.
+        ctx.trains = ctx.needs_input_grad[4:]
         ctx.save_for_backward(inputs, *weights.values())
         keys, values = kv if kv else (out.new_empty(0), out.new_empty(0))
         ctx.mark_non_differentiable(keys, values)   # a training forward's cache is detached
@@ -365,23 +470,25 @@ class _RematScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_keys, _grad_values):
         inputs, *weights = ctx.saved_tensors
-        step, names = ctx.step, ctx.names
+        step, names, trains = ctx.step, ctx.names, ctx.trains
 
         def bwd(carry, x):
             grad, consts = carry
             w, h = x
             with torch.enable_grad():
                 h = h.detach().requires_grad_(True)
-                w = {n: t.detach().requires_grad_(True) for n, t in w.items()}
+                w = {n: t.detach().requires_grad_(train) for (n, t), train in zip(w.items(), trains)}
+                wrt = [h, *(t for t, train in zip(w.values(), trains) if train)]
                 out, _ = step.layers(h, consts, w)
-                grads = torch.autograd.grad(out, [h, *w.values()], grad, allow_unused=True)
-            grads = [torch.zeros_like(t) if g is None else g
-                     for g, t in zip(grads, [h, *w.values()])]
+                grads = torch.autograd.grad(out, wrt, grad, allow_unused=True)
+            grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
             return (grads[0], consts), tuple(grads[1:])
 
         with torch.no_grad():
-            (grad_hidden, _), grad_weights = backend.scan_loop(
+            (grad_hidden, _), grad_trained = backend.scan_loop(
                 bwd, (grad_out, ctx.consts), (dict(zip(names, weights)), inputs), reverse=True)
+        grad_trained = iter(grad_trained)
+        grad_weights = [next(grad_trained) if train else None for train in trains]
         return (None, grad_hidden, None, None, *grad_weights)
 
 
@@ -393,38 +500,53 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
     ``stack_plan.start`` keep their tensors: they run unrolled, as loaded."""
     path, layers = find_stack(model)
     start = stack_plan.start
-    shells = list(layers)[start:]
     stacked = StackedTensors()
-    first = shells[0]
-    names = [(n, True) for n, _ in first.named_parameters()]
-    names += [(n, False) for n, b in first.named_buffers() if b is not None]
-    # The holders in the layer's module order, so that state_dict (and save_pretrained's shards)
-    # list each layer's tensors as the unscanned layer does (autoxla quantize writes that order):
-    # else a module with a parameter (a MoE router) would come before earlier ones holding only
-    # quantized buffers.
-    for owner_path, _ in first.named_modules():
-        _container(stacked, owner_path)
-    for name, is_param in names:
-        owner_path, _, leaf = name.rpartition(".")
+    _stack_into(stacked, list(layers)[start:], lambda name: plan[f"{path}.{start}.{name}"].spec,
+                mesh)
+    stack = StackedDecoderLayers(list(layers), stacked, stack_plan)
+    parent_path, _, attr = path.rpartition(".")
+    setattr(model.get_submodule(parent_path) if parent_path else model, attr, stack)
+    return stack
+
+
+def _stack_into(holder: StackedTensors, shells: list, spec_of, mesh) -> list[str]:
+    """Every tensor the ``shells`` hold, moved into ``holder`` as one ``[layers, ...]`` tensor per
+    name (one name at a time, so that memory holds at most one extra stacked tensor), sharded as
+    ``spec_of(name)`` with the layer axis unsplit; the shells' modules then read their row of it.
+    Returns the per-layer names, in the layer's module order (as the unscanned layer's
+    state_dict lists them, the order `autoxla quantize` writes: parameters, then buffers, module
+    by module)."""
+    names, leaves = [], {}
+    seen: set[int] = set()
+    for owner_path, m in shells[0].named_modules():
+        held = [(n, t, True) for n, t in m._parameters.items()]
+        held += [(n, t, False) for n, t in m._buffers.items()]
+        for leaf, t, is_param in held:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            names.append((owner_path, leaf, is_param))
+            leaves.setdefault(owner_path, []).append(leaf)
+    for owner_path, leaf, is_param in names:
+        name = f"{owner_path}.{leaf}" if owner_path else leaf
         owners = [s.get_submodule(owner_path) if owner_path else s for s in shells]
         tensors = [(o._parameters if is_param else o._buffers)[leaf] for o in owners]
         requires_grad = tensors[0].requires_grad
         value = torch.stack([t.detach() for t in tensors])
         if value.device.type == "xla":     # the layer's planned spec, the layer axis unsplit
-            backend.mark_sharding(value, mesh, (None, *plan[f"{path}.{start}.{name}"].spec))
+            backend.mark_sharding(value, mesh, (None, *spec_of(name)))
         persistent = leaf not in owners[0]._non_persistent_buffers_set
         for o in owners:
             del (o._parameters if is_param else o._buffers)[leaf]
         del tensors
-        container = _container(stacked, owner_path)
         if is_param:
             param = nn.Parameter(value, requires_grad=requires_grad)
             # Dim 0 counts layers, not features: optimizers whose statistics span a tensor's
             # dimensions (CAME, SM3) read it (AutoXLA/optim/_keywords.py).
             param.autoxla_stacked_layers = len(shells)
-            container.register_parameter(leaf, param)
+            holder.register_parameter(_key(name), param)
         else:
-            container.register_buffer(leaf, value, persistent=persistent)
+            holder.register_buffer(_key(name), value, persistent=persistent)
         if value.device.type == "xla":
             # Run the stack now and wait for it: the per-layer tensors are freed as it ends.
             # XLA:CPU's buffers are host memory from many threads' malloc arenas, which keep
@@ -433,21 +555,19 @@ def stack_decoder(model: nn.Module, stack_plan: StackPlan, plan, mesh) -> Stacke
             backend.wait_for_transfers()
             _native.release_freed_host_memory()
     for row, shell in enumerate(shells):
-        for owner_path, m in shell.named_modules():
-            source = _container(stacked, owner_path)
-            if source._parameters or source._buffers:
-                _read_through(m, source, row)
-    stack = StackedDecoderLayers(list(layers), stacked, stack_plan)
-    parent_path, _, attr = path.rpartition(".")
-    setattr(model.get_submodule(parent_path) if parent_path else model, attr, stack)
-    return stack
+        for owner_path, held in leaves.items():
+            owner = shell.get_submodule(owner_path) if owner_path else shell
+            _read_through(owner, holder, _key(owner_path) + "/" if owner_path else "", row, held)
+    return [f"{p}.{leaf}" if p else leaf for p, leaf, _ in names]
 
 
-def _read_through(module: nn.Module, source: nn.Module, index: int) -> None:
-    """``module.weight`` (any tensor it gave to the stack) reads ``source.weight[index]``: a
-    shell still answers ``layers[3].mlp.down_proj.weight`` with that layer's current values.
-    Done by a subclass of the module's own class (isinstance and type names unchanged) whose
-    ``__getattr__``, which Python calls only when normal lookup fails, looks in the stack."""
+def _read_through(module: nn.Module, holder: StackedTensors, prefix: str, row: int,
+                  leaves: list[str]) -> None:
+    """``module.<leaf>`` (each tensor it gave to the stack) reads ``holder``'s ``prefix + leaf``
+    at ``row``: a shell still answers ``layers[3].mlp.down_proj.weight`` with that layer's
+    current values. Done by a subclass of the module's own class (isinstance and type names
+    unchanged) whose ``__getattr__``, which Python calls only when normal lookup fails, looks in
+    the stack."""
     cls = type(module)
     if not getattr(cls, "_autoxla_read_through", False):
         cls = _READ_THROUGH.get(cls)
@@ -456,26 +576,19 @@ def _read_through(module: nn.Module, source: nn.Module, index: int) -> None:
                 "__getattr__": _stacked_getattr, "_autoxla_read_through": True,
                 "__module__": type(module).__module__})
         module.__class__ = cls
-    module.__dict__["_autoxla_stacked"] = (source, index)
+    before = module.__dict__.get("_autoxla_stacked")
+    known = tuple(before[3]) if before else ()
+    module.__dict__["_autoxla_stacked"] = (holder, prefix, row, known + tuple(leaves))
 
 
 _READ_THROUGH: dict[type, type] = {}
 
 
 def _stacked_getattr(self, name: str):
-    source, index = self.__dict__.get("_autoxla_stacked", (None, 0))
-    if source is not None and (name in source._parameters or name in source._buffers):
-        return getattr(source, name)[index]
+    holder, prefix, row, leaves = self.__dict__.get("_autoxla_stacked", (None, "", 0, ()))
+    if name in leaves:
+        return getattr(holder, prefix + name)[row]
     return super(type(self), self).__getattr__(name)
-
-
-def _container(root: nn.Module, path: str) -> nn.Module:
-    m = root
-    for part in path.split(".") if path else ():
-        if part not in m._modules:
-            m.add_module(part, StackedTensors())
-        m = m._modules[part]
-    return m
 
 
 def stack_of(model: nn.Module) -> StackedDecoderLayers | None:
@@ -488,12 +601,18 @@ def stack_of(model: nn.Module) -> StackedDecoderLayers | None:
 
 # -- helpers ---------------------------------------------------------------------------------
 
-def _call_layer(shell, weights, hidden, args, kwargs):
+def _call_layer(shell, weights, hidden, args, kwargs, in_loop: bool = False):
     """``shell(hidden, ...)`` with ``weights`` (per-layer name -> tensor) in place for the call.
     They go into the owning modules' ``__dict__`` (the shells hold no parameters, so plain
     attribute lookup finds them first) and are removed after; torch.func.functional_call would
-    instead restore what the read-through attribute returned as a stale plain attribute."""
+    instead restore what the read-through attribute returned as a stale plain attribute.
+    ``in_loop``: transformers' per-layer gradient checkpointing (gradient_checkpointing_enable,
+    which TRL calls) is off for the call: the loop already recomputes each layer, and a
+    re-entrant checkpoint inside its backward would hide the weights' gradients from it."""
     placed = []
+    checkpointing = shell.__dict__.get("gradient_checkpointing")
+    if in_loop and checkpointing:
+        shell.__dict__["gradient_checkpointing"] = False
     try:
         for name, t in weights.items():
             owner_path, _, leaf = name.rpartition(".")
@@ -504,6 +623,8 @@ def _call_layer(shell, weights, hidden, args, kwargs):
     finally:
         for owner, leaf in placed:
             owner.__dict__.pop(leaf, None)
+        if in_loop and checkpointing:
+            shell.__dict__["gradient_checkpointing"] = checkpointing
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{type(shell).__name__} returns {type(out).__name__}, not the hidden "
                         "states tensor a scanned stack carries; load with scan_layers=False")

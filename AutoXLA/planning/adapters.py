@@ -96,10 +96,6 @@ def plan_adapters(plan, rank: int, dtype: str = "float32",
         raise ValueError(f"LoRA rank {rank!r}: give a whole number >= 1 (--lora-rank R)")
     if dtype not in _ELEMENT:
         raise ValueError(f"adapter dtype {dtype!r}: use one of {', '.join(_ELEMENT)}")
-    if plan.stack is not None and plan.stack.scanned:
-        raise ValueError(f"{plan.model_class}'s plan scans its decoder stack ({plan.stack.path}): "
-                         "peft cannot wrap the stacked [layers, ...] tensors; plan (and load) "
-                         "with scan_layers=False (autoxla plan --no-scan)")
     found = [t for t in plan.tensors if t.role in _LINEAR_ROLES and not t.tied_to
              and _LAYER_WEIGHT.search(t.name) and len(t.spec) == 2]
     if targets is not None:

@@ -45,8 +45,8 @@ class Request:
     recommend: bool
     plot: str | None = None      # the picture's file (planning/plot.py), checked writable
     lora_rank: int | None = None  # LoRA adapters planned on the decoder layers (adapters.py)
-    # The decoder stack planned scanned: not with --no-scan, nor with adapters (peft wraps the
-    # unrolled layers' projections; fine-tuning loads with scan_layers=False).
+    # The decoder stack planned scanned (adapters then stacked with their layers), unless
+    # --no-scan.
     scan: bool = True
 
 
@@ -92,17 +92,13 @@ def request(args) -> Request:
     if lora is not None:
         if isinstance(lora, bool) or not isinstance(lora, int) or lora < 1:
             raise ValueError(f"--lora-rank {lora!r}: give a rank >= 1")
-        if args.scan:
-            raise ValueError("--lora-rank plans LoRA adapters, which peft adds to the unrolled "
-                             "decoder layers (fine-tuning loads with scan_layers=False): drop "
-                             "--scan")
         if args.infer:
             raise ValueError("--lora-rank with --infer: generation with adapters is planned as "
                              "training is not; merge the adapter (merge_and_save) and forecast "
                              "the merged checkpoint")
     return Request(devices if devices is not None else 8, topo, training, inference,
                    args.headroom, args.recommend, args.plot, lora,
-                   scan=lora is None and not args.no_scan)
+                   scan=not args.no_scan)
 
 
 def forecast(req: Request, plan, config):

@@ -375,7 +375,14 @@ def _named_state(model: nn.Module, trainable_only: bool = False) -> dict[str, to
     else:
         persistent = persistent_buffer_names(model)
         named += [(n, b) for n, b in model.named_buffers() if n in persistent]
-    return {n.replace(_FSDP_WRAPPED, ""): t for n, t in named if t is not None}
+    return {_checkpoint_name(n): t for n, t in named if t is not None}
+
+
+def _checkpoint_name(name: str) -> str:
+    """A parameter's name as checkpoints record it: FSDPv2's wrapper parts dropped, and a scanned
+    stack's tensor (held as ``stacked.self_attn/q_proj/weight``) dotted, as checkpoints written
+    before the stack held its tensors flat name it."""
+    return name.replace(_FSDP_WRAPPED, "").replace("/", ".")
 
 
 def _describe(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -426,8 +433,9 @@ def _stacked_names(model: nn.Module) -> dict[str, list[str]]:
         if not hasattr(m, "per_layer_items"):     # modeling/scan.py's StackedDecoderLayers
             continue
         prefix = (prefix + ".").replace(_FSDP_WRAPPED, "").rstrip(".")
-        for name in m.stacked_tensors():
-            out[f"{prefix}.stacked.{name}"] = [f"{prefix}.{i}.{name}" for i in m.scanned_layers]
+        for name, key in m.stacked_keys().items():
+            out[_checkpoint_name(f"{prefix}.stacked.{key}")] = [f"{prefix}.{i}.{name}"
+                                                                 for i in m.scanned_layers]
     return out
 
 
@@ -527,7 +535,7 @@ def _param_names(model: nn.Module) -> dict[int, str]:
 
 def _parameters_by_name(model: nn.Module) -> list[tuple[nn.Parameter, str]]:
     """(parameter, its name without FSDPv2's wrapper parts), as named_parameters lists them."""
-    return [(p, n.replace(_FSDP_WRAPPED, "")) for n, p in model.named_parameters()]
+    return [(p, _checkpoint_name(n)) for n, p in model.named_parameters()]
 
 
 # -- export --------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..generation.engine import engine_of
+from ..modeling.scan import StackedDecoderLayers
 from ..planning.adapters import AdapterPlan, plan_adapters
 from ..quantization.linear import QuantizedLinear
 from ..saving import save_pretrained
@@ -48,7 +49,10 @@ def shard_adapters(model) -> AdapterPlan | None:
     like its base layer's input dim, B like its output dim) and records them in the model's plan
     (``autoxla_plan.adapters``, its JSON too); returns that AdapterPlan (None when no adapter
     sits in a decoder layer: those elsewhere, such as on lm_head, stay whole). Call it after
-    ``get_peft_model`` and before the optimizer is made (``finetune`` does). Without it the
+    ``get_peft_model`` and before the optimizer is made (``finetune`` does). On a scanned
+    decoder stack (the default load) it also stacks each layer's adapters with the layer
+    (``[layers, r, in]``, ``[layers, out, r]``), which the loop needs: until then the model
+    refuses to run, naming this call. Unscanned, without it the
     adapters stay whole on every device, which trains the same but costs their bytes, gradients
     and optimizer states on every device. On the dtensor runtime the adapters are only planned:
     one process trains them as plain tensors (docs/finetuning.md)."""
@@ -70,18 +74,41 @@ def shard_adapters(model) -> AdapterPlan | None:
     plan = plan_adapters(state.plan, max(ranks), dtypes.pop() if len(dtypes) == 1 else "float32",
                          tuple(sorted({path.rsplit(".", 1)[-1] for path in wrapped})))
     if state.runtime is None:       # the xla runtime (another runtime is recorded by name)
+        _stack_scanned(base, plan, state.mesh)
         engine = engine_of(base)
         for path, layer in wrapped.items():
             for which in ("lora_A", "lora_B"):
                 spec = plan.spec_of(path, which)
                 for linear in getattr(layer, which).values():
-                    engine.mark_sharding(linear.weight, state.mesh, spec)
+                    if "weight" in linear._parameters:      # not one of a stacked layer's rows
+                        engine.mark_sharding(linear.weight, state.mesh, spec)
     if len(ranks) == 1:      # rank_pattern's mixed ranks: placed, but not one plan's bytes
         record_state(base, plan=dataclasses.replace(state.plan, adapters=plan))
     return plan
 
 
 _IN_LAYER = re.compile(r"\.layers\.\d+\.")
+_ADAPTER = re.compile(r"(.+)\.(lora_[AB])\.[^.]+\.weight")
+
+
+def _stack_scanned(base, plan: AdapterPlan, mesh) -> None:
+    """A scanned decoder stack's adapters join it: ``[layers, r, in]`` and ``[layers, out, r]``,
+    each placed like the first layer's planned adapter with the layer axis unsplit, so that the
+    loop's one traced layer takes each layer's own (modeling/scan.py)."""
+    for path, stack in base.named_modules():
+        if not isinstance(stack, StackedDecoderLayers):
+            continue
+        first = f"{path}.{stack.stack_plan.start}"
+
+        def spec_of(name: str) -> tuple:
+            found = _ADAPTER.fullmatch(name)
+            if found is None:
+                raise ValueError(f"{first}.{name} was added to a scanned decoder layer after "
+                                 "loading and is not a LoRA adapter: only peft's LoRA adapters "
+                                 "can join the stack; load with scan_layers=False")
+            return plan.spec_of(f"{first}.{found.group(1)}", found.group(2))
+
+        stack.stack_new_tensors(spec_of, mesh)
 
 
 def _lora_layers(model) -> dict:
@@ -116,9 +143,40 @@ def merge_and_save(model, directory) -> nn.Module:
             "cannot take the float update: load the float checkpoint, attach the adapter "
             "(PeftModel.from_pretrained(model, ADAPTER_DIR)), merge_and_save that, then "
             "`autoxla quantize` the merged checkpoint")
+    stacks = [m for m in model.modules() if isinstance(m, StackedDecoderLayers)]
+    for stack in stacks:
+        _merge_stacked(stack)
     merged = model.merge_and_unload()
+    for stack in stacks:
+        stack.release_unread()          # the stacked adapters, read by no layer any more
     save_pretrained(merged, directory)
     return merged
+
+
+def _merge_stacked(stack: StackedDecoderLayers) -> None:
+    """peft merges ``W += B A scaling`` layer by layer through each layer's weight; a scanned
+    stack's layers are rows of one tensor, merged here for every layer at once (a batched
+    matmul) and marked merged, so that peft's merge_and_unload only unwraps them."""
+    from peft.tuners.lora import LoraLayer
+
+    start = stack.stack_plan.start
+    tensors = stack.stacked_tensors()
+    for path, layer in stack.shells[start].named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for name in layer.active_adapters:
+            if name not in layer.lora_A or name in layer.merged_adapters:
+                continue
+            a = tensors[f"{path}.lora_A.{name}.weight"]           # [layers, r, in]
+            b = tensors[f"{path}.lora_B.{name}.weight"]           # [layers, out, r]
+            w = tensors[f"{path}.base_layer.weight"]
+            delta = torch.matmul(b, a) * layer.scaling[name]
+            if getattr(layer, "fan_in_fan_out", False):           # GPT-2's Conv1D: [in, out]
+                delta = delta.transpose(-1, -2)
+            with torch.no_grad():
+                w.add_(delta.to(w.dtype))
+            for i in stack.scanned_layers:
+                stack.shells[i].get_submodule(path).merged_adapters.append(name)
 
 
 @functools.cache

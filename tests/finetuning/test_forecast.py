@@ -63,7 +63,7 @@ def test_llama2_7b_counts_peft_s_parameters_and_places_adapters_like_their_base(
     adapters = d["adapters"]
     assert sum(t["shape"][0] * t["shape"][1] for t in adapters["tensors"]) == 19_988_480
     assert adapters["rank"] == 8 and adapters["dtype"] == "float32"
-    assert d["stack"]["scanned"] is False          # peft wraps the unrolled layers
+    assert d["stack"]["scanned"] is True           # the adapters stacked with their layers
     base = {t["name"]: t for t in d["tensors"]}
     for t in adapters["tensors"]:
         w = base[t["module"] + ".weight"]
@@ -110,7 +110,6 @@ def test_layer_activations_with_lora_match_what_autograd_saves(dtype):
 
 @pytest.mark.parametrize("argv, message", [
     (["--lora-rank", "0"], "--lora-rank 0: give a rank >= 1"),
-    (["--lora-rank", "8", "--scan"], "drop --scan"),
     (["--lora-rank", "8", "--infer", "--batch", "1", "--max-len", "64"], "merge the adapter"),
 ])
 def test_bad_lora_forecast_arguments_are_named(capsys, argv, message):
@@ -118,7 +117,16 @@ def test_bad_lora_forecast_arguments_are_named(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_a_scanned_plan_refuses_adapters():
-    plan = plan_from_config(tiny_config("llama"), "fsdp", 8)
-    with pytest.raises(ValueError, match="scan_layers=False"):
-        plan_adapters(plan, 8)
+def test_a_scanned_plan_stacks_adapters_and_checkpoints_every_layer():
+    # The adapters of a scanned stack are placed per layer as unrolled (stacked with the layer
+    # axis unsplit, modeling/scan.py); its activations are the loop's: every layer's input kept,
+    # one layer recomputed at a time, so they stay below the unrolled stack's.
+    config = tiny_config("llama")
+    scanned = _with_adapters(plan_from_config(config, "fsdp", 8), 8)
+    unrolled = _with_adapters(plan_from_config(config, "fsdp", 8, scan_layers=False), 8)
+    assert scanned.adapters == unrolled.adapters
+    setup = TrainingSetup(4, 256)
+    lines = {l.name: l for l in training_forecast(scanned, config, setup).lines}
+    plain = {l.name: l for l in training_forecast(unrolled, config, setup).lines}
+    assert "checkpointed per layer" in lines["activations"].formula
+    assert lines["activations"].bytes_per_device < plain["activations"].bytes_per_device

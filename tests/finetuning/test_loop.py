@@ -137,11 +137,13 @@ def _plain_reference(path: str, tok) -> dict:
 def test_the_loop_gives_a_plain_loops_losses_and_a_portable_adapter(chat_checkpoint, tmp_path,
                                                                    xla_devices):
     path, tok = chat_checkpoint
+    # scanned (the default load): finetune stacks the adapters with their layers
     model = AutoXLAModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                    sharding_strategy="fsdp", scan_layers=False)
+                                                    sharding_strategy="fsdp")
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
     seed_lora_adapters(model)
     result = finetune(model, tok, _records(), CONFIG, tmp_path, progress=False)
+    assert model.get_base_model().model.layers.last_mode == "scanned"
 
     want = _plain_reference(path, tok)
     losses = [r["loss"] for r in result.steps]

@@ -1,12 +1,14 @@
 """LoRA the way Hugging Face users write it, `peft.get_peft_model(model, LoraConfig(...))`, on a
-model AutoXLA loaded (issue 45, first slice: the xla runtime, the decoder stack unrolled).
+model AutoXLA loaded (issue 45: the xla runtime; the decoder stack unrolled, and scanned with the
+adapters stacked with their layers).
 
 Against transformers + peft on the CPU, the same adapters: 20 AdamW steps on fixed batches give
-the same losses under fsdp and 2d; only the adapters are trainable, get gradients and optimizer
-state; the base weights are bit-identical afterwards; after the first steps no step compiles a
-program. The scanned stack (the default) is refused with the fix in peft's own message. The
-adapters merged and saved (``merge_and_save``) load in plain transformers and in from_pretrained
-with the logits of the unmerged model.
+the same losses under fsdp and 2d, unrolled and scanned; only the adapters are trainable, get
+gradients and optimizer state; the base weights are bit-identical afterwards; after the first
+steps no step compiles a program; a scanned stack runs as its loop. A scanned model whose
+adapters were not stacked refuses to run, naming the call that stacks them. The adapters merged
+and saved (``merge_and_save``) load in plain transformers and in from_pretrained with the logits
+of the unmerged model.
 """
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
+from AutoXLA.modeling.scan import stack_of
 from AutoXLA.state import state_of
 from AutoXLA.training import merge_and_save, shard_adapters
 
@@ -39,8 +42,14 @@ def _batches():
 
 
 def _adapters(model) -> dict:
-    """name (from the decoder layers down) -> the adapter parameter."""
-    return {n.split("layers.", 1)[1]: p for n, p in model.named_parameters() if "lora_" in n}
+    """name (from the decoder layers down, per layer even when stacked) -> the adapter."""
+    return {n.split("layers.", 1)[1]: t for n, t in model.state_dict().items() if "lora_" in n}
+
+
+def _base_weights(model) -> dict:
+    """The base model's tensors by transformers' per-layer names, on the host."""
+    return {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t.detach().cpu()
+            for n, t in model.state_dict().items() if "lora_" not in n}
 
 
 def _train(model, device, compiles=None) -> tuple[list[float], torch.optim.Optimizer]:
@@ -71,12 +80,13 @@ def reference(checkpoints):
                 trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "2d"])
-def test_lora_steps_give_transformers_and_peft_losses(strategy, checkpoints, reference,
+@pytest.mark.parametrize("strategy,scanned", [("fsdp", False), ("2d", False), ("2d", True)])
+def test_lora_steps_give_transformers_and_peft_losses(strategy, scanned, checkpoints, reference,
                                                       xla_devices):
     model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32,
-                                                    sharding_strategy=strategy, scan_layers=False)
-    base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+                                                    sharding_strategy=strategy,
+                                                    scan_layers=scanned)
+    base = _base_weights(model)
     model = get_peft_model(model, _config())
     seed_lora_adapters(model)
     if strategy == "2d":   # placed as planned (the loop does this); fsdp: left as peft made them
@@ -88,16 +98,17 @@ def test_lora_steps_give_transformers_and_peft_losses(strategy, checkpoints, ref
     assert all(abs(g - w) <= LOSS_RTOL * abs(w) for g, w in zip(losses, reference["losses"])), \
         (losses, reference["losses"])
     assert losses[-1] < losses[0] - 0.1                 # the adapters do learn
+    if scanned:                                         # one traced layer ran every layer
+        assert model.get_base_model().model.layers.last_mode == "scanned"
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert sorted(_adapters(model)) == reference["adapters"]
     assert set(trainable) == {n for n in trainable if "lora_" in n}
     assert sum(p.numel() for p in trainable.values()) == reference["trainable"]
     assert all((p.grad is not None) == (n in trainable) for n, p in model.named_parameters())
     assert len(opt.state) == len(trainable)             # optimizer state for the adapters only
-    after = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): p
-             for n, p in model.named_parameters() if "lora_" not in n}
+    after = _base_weights(model)
     assert set(after) == set(base)
-    assert all(torch.equal(after[n].detach().cpu(), w) for n, w in base.items())
+    assert all(torch.equal(after[n], w) for n, w in base.items())
     # the first steps compile (forward and backward, then the optimizer's first update, which
     # creates its state); every later step reuses those programs
     assert sum(compiles[2:]) == 0, compiles
@@ -105,41 +116,73 @@ def test_lora_steps_give_transformers_and_peft_losses(strategy, checkpoints, ref
 
 def _check_placements(model, planned):
     """Each adapter's sharding on the devices is the one torch_xla gives a fresh tensor of its
-    planned spec, and the model's plan records the adapters."""
+    planned spec (stacked: of ``[layers, *shape]`` with the layer axis unsplit), and the model's
+    plan records the adapters."""
     mesh = state_of(model.get_base_model()).mesh
     assert model.autoxla_plan.adapters == planned and planned.rank == 8
-    adapters = {n.removeprefix("base_model.model.").replace(".default", ""): p
-                for n, p in model.named_parameters() if "lora_" in n}
+    stack = stack_of(model)
+    if stack is not None:
+        stacked = stack.stacked_tensors()
+        adapters = {f"model.layers.{i}.{n}".replace(".default", ""): (t, t.shape[0])
+                    for n, t in stacked.items() if "lora_" in n for i in stack.scanned_layers}
+    else:
+        adapters = {n.removeprefix("base_model.model.").replace(".default", ""): (p, None)
+                    for n, p in model.named_parameters() if "lora_" in n}
     assert set(adapters) == {t.name for t in planned.tensors}
     split = 0
     for t in planned.tensors:
-        fresh = torch.zeros(t.shape).to(backend.device())
-        backend.mark_sharding(fresh, mesh, t.spec)
+        tensor, layers = adapters[t.name]
+        shape, spec = (t.shape, t.spec) if layers is None else ((layers, *t.shape),
+                                                                (None, *t.spec))
+        fresh = torch.zeros(shape).to(backend.device())
+        backend.mark_sharding(fresh, mesh, spec)
         backend.sync()
-        assert backend.sharding_spec(adapters[t.name]) == backend.sharding_spec(fresh), t.name
+        assert backend.sharding_spec(tensor) == backend.sharding_spec(fresh), t.name
         split += t.shard_shape != t.shape
     assert split == len(planned.tensors)   # 2d: every A and B is split over fsdp or model
 
 
-def test_the_scanned_stack_names_the_fix(checkpoints, xla_devices):
-    # peft cannot wrap the stacked [layers, ...] tensors; its own error then says how to load
+def test_a_scanned_stack_runs_only_with_its_adapters_stacked(checkpoints, xla_devices):
+    # Before shard_adapters each layer holds its own adapters, which the loop's one traced layer
+    # cannot take: refused by name rather than run with the first layer's adapters everywhere.
     model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32,
                                                     sharding_strategy="fsdp")
-    with pytest.raises(ValueError, match="scan_layers=False"):
-        get_peft_model(model, _config())
+    model = get_peft_model(model, _config())
+    ids = _batches()[0][:2].to(backend.device())
+    with pytest.raises(RuntimeError, match=r"shard_adapters\(model\)"):
+        model(input_ids=ids)
+    shard_adapters(model)
+    assert model(input_ids=ids).logits.shape == (2, 16, model.config.vocab_size)
+    # LoRA on some layers only cannot be one traced layer: named, with the fix
+    other = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32,
+                                                    sharding_strategy="fsdp")
+    other = get_peft_model(other, LoraConfig(r=8, target_modules=TARGETS, layers_to_transform=[1],
+                                             layers_pattern="layers"))
+    with pytest.raises(ValueError, match="layers_to_transform"):
+        shard_adapters(other)
 
 
-def test_merged_checkpoint_loads_in_transformers_and_from_pretrained(checkpoints, tmp_path,
-                                                                    xla_devices):
+@pytest.mark.parametrize("scanned", [False, True])
+def test_merged_checkpoint_loads_in_transformers_and_from_pretrained(scanned, checkpoints,
+                                                                    tmp_path, xla_devices):
     model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32,
-                                                    sharding_strategy="fsdp", scan_layers=False)
+                                                    sharding_strategy="fsdp", scan_layers=scanned)
     model = get_peft_model(model, _config())
     seed_lora_adapters(model)                     # B non-zero: the merge changes every weight
+    if scanned:                                   # stacked: merged all layers at once
+        shard_adapters(model)
     ids = _batches()[0][:2]
     model.eval()
     with torch.no_grad():
         want = model(input_ids=ids.to(backend.device())).logits.cpu()
-    merge_and_save(model, tmp_path / "merged")
+    merged = merge_and_save(model, tmp_path / "merged")
+    assert not any("lora_" in n for n in merged.state_dict())
+    if scanned:                                   # the stack lost its adapters, kept its loop
+        assert not any("lora_" in n for n, _ in merged.named_parameters())
+        with torch.no_grad():
+            torch.testing.assert_close(merged(input_ids=ids.to(backend.device())).logits.cpu(),
+                                       want, rtol=1e-4, atol=1e-4)
+        assert stack_of(merged).last_mode == "scanned"
     # fp32, W + B A merged on the device vs the adapters applied beside W: summation order only
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():

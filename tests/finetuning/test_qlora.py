@@ -3,8 +3,9 @@
 
 The reference is plain transformers + peft on the CPU with each quantized projection's weight
 replaced by what AutoXLA's quantized linear dequantizes to (the same base, in float): 20 AdamW
-steps on fixed batches give the same losses; only the adapters train; the quantized base (codes,
-scales) is bit-identical afterwards; no step after the first two compiles; merging is refused.
+steps on fixed batches give the same losses, the decoder stack unrolled or scanned (the adapters
+stacked beside the stacked codes); only the adapters train; the quantized base (codes, scales) is
+bit-identical afterwards; no step after the first two compiles; merging is refused.
 """
 import pytest
 import torch
@@ -15,10 +16,10 @@ from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.quantization import QuantizationConfig
 from AutoXLA.quantization.linear import QuantizedLinear
-from AutoXLA.training import merge_and_save, qlora, quantized_lora_linear
+from AutoXLA.training import merge_and_save, qlora, quantized_lora_linear, shard_adapters
 
 from ..helpers import seed_lora_adapters
-from .test_lora import STEPS, TARGETS, _train
+from .test_lora import STEPS, TARGETS, _base_weights, _train
 
 # fp32 on both sides and the same float base: our quantized linear computes x @ dequant(W) on
 # the device where the reference multiplies by the dequantized copy, so the losses differ by
@@ -31,10 +32,6 @@ def _config() -> LoraConfig:
     return LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
 
 
-def _quantized_base(model) -> dict:
-    """name -> (codes, scales, ...) of every quantized linear, on the host."""
-    return {n: [t.detach().cpu().clone() for t in m.buffers()]
-            for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
 
 
 def _reference_losses(path: str, dequantized: dict) -> list[float]:
@@ -48,22 +45,25 @@ def _reference_losses(path: str, dequantized: dict) -> list[float]:
     return _train(model, torch.device("cpu"))[0]
 
 
-@pytest.mark.parametrize("bits,strategy", [(4, "fsdp"), (4, "2d"), (8, "fsdp")])
-def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strategy, checkpoints,
-                                                                       xla_devices):
+@pytest.mark.parametrize("bits,strategy,scanned", [(4, "fsdp", False), (4, "2d", False),
+                                                   (8, "fsdp", False), (4, "2d", True)])
+def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strategy, scanned,
+                                                                       checkpoints, xla_devices):
     path = checkpoints["llama"]
     model = AutoXLAModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, sharding_strategy=strategy, scan_layers=False, do_quant=True,
+        path, dtype=torch.float32, sharding_strategy=strategy, scan_layers=scanned, do_quant=True,
         quantization_config=QuantizationConfig(bits=bits))
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert {n.rsplit(".", 1)[1] for n in quantized} == set(TARGETS)
     dequantized = {n: m.dequantized_weight(torch.float32).cpu() for n, m in quantized.items()}
-    base = _quantized_base(model)
+    base = _base_weights(model)         # the quantized codes and scales among them
 
     model = get_peft_model(model, qlora(_config()))
     wrapped = [m for m in model.modules() if isinstance(m, quantized_lora_linear())]
     assert len(wrapped) == len(quantized)
     seed_lora_adapters(model)
+    if scanned:                         # the adapters stacked beside the stacked int codes
+        shard_adapters(model)
     model.train()
     compiles = []
     losses, opt = _train(model, backend.device(), compiles)
@@ -75,11 +75,13 @@ def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strat
     assert trainable and all("lora_" in n for n in trainable)
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
     assert len(opt.state) == len(trainable)             # optimizer state for the adapters only
-    after = {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): bufs
-             for n, bufs in _quantized_base(model).items()}
-    assert set(after) == set(base)
-    assert all(torch.equal(a, b) for n in base for a, b in zip(after[n], base[n]))
+    after = _base_weights(model)
+    assert set(after) == set(base) and any(t.dtype in (torch.int8, torch.uint8)
+                                           for t in base.values())
+    assert all(torch.equal(after[n], t) for n, t in base.items())
     assert sum(compiles[2:]) == 0, compiles
+    if scanned:
+        assert model.get_base_model().model.layers.last_mode == "scanned"
 
 
 def test_unsupported_variants_and_merging_are_refused_by_name(checkpoints, xla_devices):

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ..helpers import seed_lora_adapters
@@ -92,25 +93,46 @@ def reference(path: str, out_dir: str) -> list[float]:
     return losses
 
 
-def test_sft_trainer_trains_an_autoxla_model_like_transformers(chat_checkpoint, tmp_path,
-                                                               xla_devices):
-    from AutoXLA.modeling import AutoXLAModelForCausalLM
-
-    path, tokenizer = chat_checkpoint
+@pytest.fixture(scope="module")
+def trl_reference(chat_checkpoint, tmp_path_factory):
+    """The losses of SFTTrainer on plain transformers + peft on the CPU (a child without
+    torch_xla), started at once and read when first needed."""
+    path, _ = chat_checkpoint
     env = {**os.environ, "USE_TORCH_XLA": "0", "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
         [sys.executable, "-c", "import json, sys; from tests.finetuning.test_trl import reference; "
          "print('LOSSES', json.dumps(reference(sys.argv[1], sys.argv[2])))", str(path),
-         str(tmp_path / "reference")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    model = AutoXLAModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                    sharding_strategy="fsdp", scan_layers=False)
-    losses, per_step, trainer = sft(model, tokenizer, tmp_path / "autoxla", **SETTINGS)
-    out, _ = child.communicate(timeout=600)
-    assert child.returncode == 0, out[-3000:]
-    want = json.loads(next(line for line in out.splitlines() if line.startswith("LOSSES"))[7:])
+         str(tmp_path_factory.mktemp("trl") / "reference")], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    losses = []
 
-    assert trainer.args.gradient_checkpointing      # TRL's default, through torch_xla's checkpoint
+    def read():
+        if not losses:
+            out, _ = child.communicate(timeout=600)
+            assert child.returncode == 0, out[-3000:]
+            losses.extend(json.loads(next(line for line in out.splitlines()
+                                          if line.startswith("LOSSES"))[7:]))
+        return losses
+    yield read
+    child.kill()
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_sft_trainer_trains_an_autoxla_model_like_transformers(scanned, chat_checkpoint,
+                                                               trl_reference, tmp_path,
+                                                               xla_devices):
+    from AutoXLA.modeling import AutoXLAModelForCausalLM
+
+    path, tokenizer = chat_checkpoint
+    model = AutoXLAModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                    sharding_strategy="fsdp", scan_layers=scanned)
+    losses, per_step, trainer = sft(model, tokenizer, tmp_path / "autoxla", **SETTINGS)
+    want = trl_reference()
+
+    # TRL's default: unrolled, through torch_xla's checkpoint; scanned, the loop's own recompute
+    assert trainer.args.gradient_checkpointing
+    if scanned:
+        assert model.model.layers.last_mode == "scanned"
     assert len(losses) == len(want) == STEPS
     assert all(abs(g - w) <= LOSS_RTOL * abs(w) for g, w in zip(losses, want)), (losses, want)
     assert losses[-1] < losses[0]

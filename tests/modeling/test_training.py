@@ -110,7 +110,7 @@ def test_left_padded_loss_equals_transformers_under_splash(checkpoints, referenc
     loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
     loss.backward()
     stack = model.module.model.layers.module
-    got_grad = stack.stacked.self_attn.q_proj.weight.grad[0].cpu()
+    got_grad = stack.stacked_tensors()["self_attn.q_proj.weight"].grad[0].cpu()
     assert abs(loss.item() - expected.item()) <= LOSS_TOL, (loss.item(), expected.item())
     # Gradients: finite (the pad rows' average must not bring NaN into the backward) and equal
     # transformers' to the bound of tests/attention/test_models.py (2e-5 of the largest entry:

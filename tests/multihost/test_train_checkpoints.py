@@ -67,6 +67,7 @@ def test_resume_on_another_mesh_continues_the_run(checkpoints, xla_devices, tmp_
         name = name.replace("_orig_module.", "")
         if ".stacked." in name:     # a scanned stack exports per-layer tensors
             prefix, leaf = name.split(".stacked.")
+            leaf = leaf.replace("/", ".")     # held flat: stacked.self_attn/q_proj/weight
             for i in range(value.shape[0]):
                 assert torch.equal(exported[f"{prefix}.{i}.{leaf}"], value[i]), (name, i)
         elif name in exported:

@@ -325,7 +325,7 @@ def test_left_padded_training_loss_and_gradients_equal_eager(kernel, checkpoints
     dev = backend.device()
     loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
     loss.backward()
-    got = model.model.layers.stacked.self_attn.q_proj.weight.grad[0].cpu()
+    got = model.model.layers.stacked_tensors()["self_attn.q_proj.weight"].grad[0].cpu()
     assert kernel_calls[kernel]
     assert abs(loss.item() - expected.item()) <= 1e-4, (loss.item(), expected.item())
     assert torch.isfinite(got).all()
