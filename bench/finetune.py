@@ -3,7 +3,7 @@ programs a long run compiles, and QLoRA of a 7B-shaped checkpoint against the fo
 
     ./run python bench/finetune.py [--parts speed programs qlora7b] [--steps 12] [--batch 4]
         [--seq 128] [--program-steps 200] [--qlora-steps 10] [--qlora-seq 256]
-        [--qlora-batch 1] [--qlora-devices 8] [--cap 21]
+        [--qlora-batch 1] [--qlora-devices 8] [--qlora-unrolled] [--cap 21]
 
 Each side runs in a child process (fresh compile state, its peak RSS sampled by the parent every
 20 ms and stopped at --cap GiB rather than left to the kernel's OOM killer).
@@ -19,7 +19,8 @@ Each side runs in a child process (fresh compile state, its peak RSS sampled by 
   accumulation 2: programs compiled per step (metrics.jsonl's `compiles`), in total and after
   the first steps.
 - qlora7b: bench/headline.py's Llama-2-7B-shaped bf16 checkpoint (13.5 GB, written once) loaded
-  int4 under fsdp on --qlora-devices devices, LoRA r=8 (QLoRA), --qlora-steps AdamW steps on
+  int4 under fsdp on --qlora-devices devices, the decoder stack scanned (the adapters stacked
+  with it; --qlora-unrolled: scan_layers=False), LoRA r=8 (QLoRA), --qlora-steps AdamW steps on
   [batch, seq] random tokens: seconds per step, programs, and peak RSS against
   `autoxla plan --train --lora-rank 8 --bits 4`'s forecast (per device, times the devices: on
   XLA:CPU the virtual devices share the host's memory) plus the runtime's own resident memory.
@@ -149,7 +150,7 @@ def programs(steps: int) -> dict:
             "first_loss": result.steps[0]["loss"], "last_loss": result.steps[-1]["loss"]}
 
 
-def qlora7b(path: str, batch: int, seq: int, steps: int) -> dict:
+def qlora7b(path: str, batch: int, seq: int, steps: int, scan: bool = True) -> dict:
     from peft import get_peft_model
 
     from AutoXLA import backend
@@ -163,7 +164,7 @@ def qlora7b(path: str, batch: int, seq: int, steps: int) -> dict:
     runtime = rss()
     t0 = time.perf_counter()
     model = AutoXLAModelForCausalLM.from_pretrained(
-        path, sharding_strategy="fsdp", scan_layers=False, do_quant=True,
+        path, sharding_strategy="fsdp", scan_layers=scan, do_quant=True,
         quantization_config=QuantizationConfig(bits=4))
     backend.sync()
     load_s, loaded = time.perf_counter() - t0, rss()
@@ -200,6 +201,8 @@ def main() -> int:
     ap.add_argument("--qlora-seq", type=int, default=256)
     ap.add_argument("--qlora-batch", type=int, default=1)
     ap.add_argument("--qlora-devices", type=int, default=8)
+    ap.add_argument("--qlora-unrolled", action="store_true", help="load the 7B decoder stack "
+                    "unrolled (scan_layers=False) instead of scanned")
     ap.add_argument("--cap", type=float, default=21.0, help="GiB of RSS at which a child stops")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -209,7 +212,7 @@ def main() -> int:
               "speed_eager": lambda: speed_eager(args.path, args.batch, args.seq, args.steps),
               "programs": lambda: programs(args.program_steps),
               "qlora7b": lambda: qlora7b(args.path, args.qlora_batch, args.qlora_seq,
-                                         args.qlora_steps)}[args.child]
+                                         args.qlora_steps, not args.qlora_unrolled)}[args.child]
         print(json.dumps(fn()))
         return 0
 
@@ -258,11 +261,13 @@ def main() -> int:
         from headline import CACHE, write_checkpoint
 
         path = write_checkpoint(CACHE / "llama2-7b-shape")
-        print(f"\nqlora7b: {path}, int4, fsdp on {args.qlora_devices} XLA:CPU devices, LoRA r=8, "
+        print(f"\nqlora7b: {path}, int4, fsdp on {args.qlora_devices} XLA:CPU devices, "
+              f"{'unrolled' if args.qlora_unrolled else 'scanned'}, LoRA r=8, "
               f"batch {args.qlora_batch} x seq {args.qlora_seq}, {args.qlora_steps} steps")
         r = spawn(["--child", "qlora7b", "--path", str(path), "--qlora-batch",
                    str(args.qlora_batch), "--qlora-seq", str(args.qlora_seq), "--qlora-steps",
-                   str(args.qlora_steps)], args.cap, args.qlora_devices)
+                   str(args.qlora_steps), *(["--qlora-unrolled"] if args.qlora_unrolled else [])],
+                  args.cap, args.qlora_devices)
         if "error" in r:
             print(f"  {r['error']} after {r['wall_s']:.0f} s")
         else:
