@@ -124,7 +124,7 @@ def embeds_and_q_proj_grads(m, ids, mask, weights, dev):
     logits = m(inputs_embeds=embeds, attention_mask=mask.to(dev)).logits
     loss = (logits * weights.to(dev)).sum()
     g_embeds, g_attn = torch.autograd.grad(loss, [embeds, attn])
-    return g_embeds.cpu(), (g_attn[0] if stacked is not None else g_attn).cpu()
+    return g_embeds.cpu(), (g_attn[0] if scanned else g_attn).cpu()
 
 
 def quiet(fn, *args, **kwargs):
