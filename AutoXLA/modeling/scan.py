@@ -136,6 +136,11 @@ class StackedDecoderLayers(nn.Module):
                     links[f"{path}.{leaf}" if path else leaf] = stacked[1] + leaf
             for i in self.scanned_layers:
                 loose += [f"{i}.{name}" for name in _own_tensors(self.shells[i])]
+            # Parameters, then buffers, each in module order: the order the per-layer names
+            # are saved in, which `autoxla quantize` writes too (test_offline: byte-equal files).
+            params = self.stacked._parameters
+            links = {**{n: k for n, k in links.items() if k in params},
+                     **{n: k for n, k in links.items() if k not in params}}
             self._layout_cache = (version, _Layout(links, tuple(loose)))
         return self._layout_cache[1]
 
@@ -513,9 +518,7 @@ def _stack_into(holder: StackedTensors, shells: list, spec_of, mesh) -> list[str
     """Every tensor the ``shells`` hold, moved into ``holder`` as one ``[layers, ...]`` tensor per
     name (one name at a time, so that memory holds at most one extra stacked tensor), sharded as
     ``spec_of(name)`` with the layer axis unsplit; the shells' modules then read their row of it.
-    Returns the per-layer names, in the layer's module order (as the unscanned layer's
-    state_dict lists them, the order `autoxla quantize` writes: parameters, then buffers, module
-    by module)."""
+    Returns the per-layer names, in the layer's module order."""
     names, leaves = [], {}
     seen: set[int] = set()
     for owner_path, m in shells[0].named_modules():
