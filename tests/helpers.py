@@ -209,13 +209,19 @@ def seed_lora_adapters(model) -> None:
     """Every peft LoRA adapter weight of ``model`` set to values seeded by its name from the
     decoder layers down, so that two models wrapped alike (AutoXLA's and plain transformers')
     start from the same adapters: peft starts B at zero (the first loss would not see them) and
-    draws A from the global generator."""
+    draws A from the global generator. A DTensor adapter (the dtensor runtime's, once placed by
+    shard_adapters) gets its piece of the same values."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 key = name.split("layers.", 1)[1]
                 g = torch.Generator().manual_seed(sum(map(ord, key)))
-                p.copy_((0.02 * torch.randn(p.shape, generator=g)).to(p.device))
+                value = (0.02 * torch.randn(p.shape, generator=g)).to(p.device)
+                if isinstance(p, DTensor):
+                    value = distribute_tensor(value, p.device_mesh, p.placements)
+                p.copy_(value)
 
 
 def saved_by_first_layer(decoder, hidden: int, dtype, b: int = 2, s: int = 16) -> int:

@@ -54,8 +54,9 @@ def shard_adapters(model) -> AdapterPlan | None:
     (``[layers, r, in]``, ``[layers, out, r]``), which the loop needs: until then the model
     refuses to run, naming this call. Unscanned, without it the
     adapters stay whole on every device, which trains the same but costs their bytes, gradients
-    and optimizer states on every device. On the dtensor runtime the adapters are only planned:
-    one process trains them as plain tensors (docs/finetuning.md)."""
+    and optimizer states on every device. On the dtensor runtime the adapters become DTensors
+    placed the same way (from process 0's values), which several processes need: until then
+    the model refuses to run there, naming this call."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     state = state_of(base)
     if state.plan is None:
@@ -82,6 +83,9 @@ def shard_adapters(model) -> AdapterPlan | None:
                 for linear in getattr(layer, which).values():
                     if "weight" in linear._parameters:      # not one of a stacked layer's rows
                         engine.mark_sharding(linear.weight, state.mesh, spec)
+    else:
+        _whole_shapes(model, wrapped)
+        state.runtime.place_adapters(base, wrapped, plan.spec_of)
     if len(ranks) == 1:      # rank_pattern's mixed ranks: placed, but not one plan's bytes
         record_state(base, plan=dataclasses.replace(state.plan, adapters=plan))
     return plan
@@ -111,6 +115,30 @@ def _stack_scanned(base, plan: AdapterPlan, mesh) -> None:
         stack.stack_new_tensors(spec_of, mesh)
 
 
+def _whole_shapes(model, wrapped: dict) -> None:
+    """peft sizes the adapters of a linear whose weight is a DTensor on a mesh with axes besides
+    "fsdp" by the weight's local piece (its reading of tensor parallelism, where a module
+    computes with its shard); on the dtensor runtime a linear computes with the whole weight, or
+    with its block of a tensor-parallel block, which the adapters' placements give them. Such
+    adapters are made again at the base layer's whole shape and initialised as peft initialises
+    them (``init_lora_weights``); their values until now were peft's initial ones."""
+    for path, layer in wrapped.items():
+        base = layer.get_base_layer()
+        layer.in_features, layer.out_features = base.in_features, base.out_features
+        for name in list(layer.lora_A):
+            a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+            if a.shape[1] == base.in_features and b.shape[0] == base.out_features:
+                continue
+            bias = layer.lora_B[name].bias is not None
+            layer.lora_A[name] = nn.Linear(base.in_features, a.shape[0], bias=False,
+                                           dtype=a.dtype, device=a.device)
+            layer.lora_B[name] = nn.Linear(b.shape[1], base.out_features, bias=bias,
+                                           dtype=b.dtype, device=b.device)
+            layer.reset_lora_parameters(name, model.peft_config[name].init_lora_weights)
+            layer.lora_A[name].requires_grad_(a.requires_grad)
+            layer.lora_B[name].requires_grad_(b.requires_grad)
+
+
 def _lora_layers(model) -> dict:
     """peft's LoRA layers by the path of the projection they wrap in the unwrapped model."""
     from peft.tuners.lora import LoraLayer
@@ -123,10 +151,18 @@ def _lora_layers(model) -> dict:
 def save_adapter(model, directory) -> None:
     """A peft model's adapter in peft's format (adapter_config.json, adapter_model.safetensors),
     which plain transformers + peft load anywhere. Its tensors are copied to the host first:
-    safetensors cannot read an XLA device's; only the adapters are copied, not the base."""
-    adapters = {name: t.detach().cpu() for name, t in model.state_dict().items()
-                if "lora_" in name}
-    model.save_pretrained(directory, state_dict=adapters)
+    safetensors cannot read an XLA device's; only the adapters are copied, not the base. On the
+    dtensor runtime every process calls it and process 0 writes."""
+    adapters = {name: t for name, t in model.state_dict().items() if "lora_" in name}
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    runtime = state_of(base).runtime
+    if runtime is None:             # the xla runtime
+        model.save_pretrained(directory, state_dict={n: t.detach().cpu()
+                                                     for n, t in adapters.items()})
+        return
+    # DTensors: every process gathers them whole, one writes (call it on every process)
+    runtime.write_whole(adapters, [list(adapters)],
+                        lambda copies: model.save_pretrained(directory, state_dict=next(copies)))
 
 
 def merge_and_save(model, directory) -> nn.Module:

@@ -1,6 +1,10 @@
-"""One process (a world of one) of tests/dtensor/test_lora.py: peft's LoRA on a model the dtensor
-runtime loaded and on plain transformers, the same adapters, 8 AdamW steps each; writes both
-runs' losses to OUT/lora.json."""
+"""One rank of tests/dtensor/test_lora.py: peft's LoRA on a model the dtensor runtime loaded, on
+4 processes, against plain transformers + peft on the CPU (run by every rank, the same on each),
+the same adapters and batches, 8 AdamW steps each. Cases: float 2d (fsdp x model: a split batch
+and tensor-parallel blocks whose column and row linears carry adapters), float fsdp, and QLoRA
+on an int4 2d base (the reference: transformers with each projection's weight replaced by what
+AutoXLA's quantized linear dequantizes to). Process 0 writes OUT/lora.json and, for the float 2d
+case, the adapter in peft's format (OUT/adapter) with the trained model's logits."""
 from __future__ import annotations
 
 import json
@@ -8,46 +12,132 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+STEPS = 8
 
-def train(model, batches) -> list[float]:
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
+
+
+def train(model, batches) -> tuple[list[float], dict, torch.optim.Optimizer]:
+    """The losses of STEPS AdamW steps, and the adapters' first gradients whole: AdamW's
+    normalised update hides a gradient off by a constant factor (one summed twice over
+    "model"), so the gradients are compared too."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses = []
-    for step in range(8):
+    losses, first = [], {}
+    for step in range(STEPS):
         ids = batches[step % 2]
         opt.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
+        if step == 0:
+            first = {n: whole(p.grad) for n, p in model.named_parameters() if p.requires_grad}
         opt.step()
         losses.append(float(loss.detach()))
-    return losses
+    return losses, first, opt
+
+
+def worst_gradient(got: dict, want: dict) -> float:
+    """The largest |got - want| of any adapter's gradient, relative to that gradient's largest
+    entry (inf when the two models' adapters differ)."""
+    if set(got) != set(want):
+        return float("inf")
+    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
+
+
+def reference(checkpoint: str, batches, dequantized: dict) -> tuple[list[float], dict]:
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import seed_lora_adapters
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            model.get_submodule(name).weight.copy_(weight)
+    model = get_peft_model(model, config())
+    seed_lora_adapters(model)
+    return train(model, batches)[:2]
+
+
+def case(checkpoint: str, strategy: str, bits, batches, out: str | None) -> dict:
+    from peft import get_peft_model
+
+    from AutoXLA.modeling import AutoXLAModelForCausalLM
+    from AutoXLA.quantization import QuantizationConfig
+    from AutoXLA.quantization.linear import QuantizedLinear
+    from AutoXLA.quantization.packing import dequantize
+    from AutoXLA.state import state_of
+    from AutoXLA.training import qlora, save_adapter, shard_adapters
+    from tests.helpers import seed_lora_adapters
+
+    quant = {} if bits is None else dict(do_quant=True, quantization_config=QuantizationConfig(
+        bits=bits, block_size=32, scale_search=False))
+    model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, runtime="dtensor",
+                                                    sharding_strategy=strategy,
+                                                    dtype=torch.float32, **quant)
+    mesh = state_of(model).plan.mesh
+    dequantized = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):      # gathered whole (a collective on every rank)
+            parts = [None if t is None else whole(t) for t in (
+                m.weight, m.weight_scale, m.weight_zero_point, m.weight_offset)]
+            dequantized[name] = dequantize(parts[0], parts[1], parts[2], m.quant_format,
+                                           torch.float32, parts[3])
+    base = {n: whole(t) for n, t in model.state_dict().items()}
+
+    model = get_peft_model(model, qlora(config()) if bits else config())
+    placed = shard_adapters(model)
+    seed_lora_adapters(model)
+    losses, grads, opt = train(model, batches)
+    want_losses, want_grads = reference(checkpoint, batches, dequantized)
+
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    after = {n.replace("base_model.model.", "").replace(".base_layer", ""): whole(t)
+             for n, t in model.state_dict().items() if "lora_" not in n}
+    result = dict(
+        mesh=dict(fsdp=mesh.fsdp, model=mesh.model, data=mesh.data),
+        dtensor=losses, transformers=want_losses, gradient=worst_gradient(grads, want_grads),
+        planned=len(placed.tensors), trainable=len(trainable),
+        trainable_all_lora=all("lora_" in n for n in trainable),
+        trainable_all_dtensors=all(isinstance(p, DTensor) for p in trainable.values()),
+        frozen_without_grads=all(p.grad is None for p in model.parameters() if not p.requires_grad),
+        optimizer_states=len(opt.state),
+        quantized_layers=len(dequantized),
+        base_unchanged=set(after) == set(base) and all(torch.equal(after[n], t)
+                                                       for n, t in base.items()))
+    if out is not None:
+        save_adapter(model, os.path.join(out, "adapter"))
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=batches[0], use_cache=False).logits
+        result["logits"] = logits.tolist()
+    return result
 
 
 def main(checkpoint: str, out: str) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from AutoXLA.modeling import AutoXLAModelForCausalLM
-    from tests.helpers import seed_lora_adapters
-
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(3, 250, (8, 16), generator=g) for _ in range(2)]
-    runs = {}
-    for side in ("transformers", "dtensor"):
-        model = (AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-                 if side == "transformers" else
-                 AutoXLAModelForCausalLM.from_pretrained(checkpoint, runtime="dtensor",
-                                                         sharding_strategy="fsdp",
-                                                         dtype=torch.float32))
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "v_proj", "down_proj"]))
-        seed_lora_adapters(model)
-        runs[side] = train(model, batches)
-    with open(os.path.join(out, "lora.json"), "w") as f:
-        json.dump(runs, f)
+    runs = {"2d": case(checkpoint, "2d", None, batches, out),
+            "fsdp": case(checkpoint, "fsdp", None, batches, None),
+            "2d-int4": case(checkpoint, "2d", 4, batches, None)}
+    if dist.get_rank() == 0:
+        runs["batch"] = batches[0].tolist()
+        with open(os.path.join(out, "lora.json"), "w") as f:
+            json.dump(runs, f)
 
 
 if __name__ == "__main__":

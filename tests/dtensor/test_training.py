@@ -180,10 +180,11 @@ def test_resume_on_another_mesh_continues_the_run(resumed, reference):
         assert _close(got["losses"], reference[2:]), (rank, got["losses"], reference[2:])
 
 
-def test_lora_on_several_processes_is_refused_by_name(resumed):
-    # peft's adapters are plain tensors each rank would train alone (docs/finetuning.md)
+def test_lora_without_shard_adapters_on_several_processes_is_refused_by_name(resumed):
+    # peft's adapters are plain tensors each rank would train alone until shard_adapters places
+    # them (tests/dtensor/test_lora.py)
     for rank, r in enumerate(resumed):
-        assert "runs in one process only" in r["lora"] and "lora_A" in r["lora"], (rank, r["lora"])
+        assert "shard_adapters(model)" in r["lora"] and "lora_A" in r["lora"], (rank, r["lora"])
 
 
 @pytest.mark.parametrize("name", ["float", "int4"])

@@ -135,7 +135,8 @@ def resume(job: dict, out: str) -> dict:
 
 
 def lora_refused(model, job: dict) -> str:
-    """peft's LoRA on 4 processes: its adapters are plain tensors, refused at the first forward."""
+    """peft's LoRA on 4 processes without shard_adapters: its adapters are plain tensors,
+    refused at the first forward."""
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

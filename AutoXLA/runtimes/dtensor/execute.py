@@ -62,6 +62,7 @@ def tensor_parallel_blocks(model: nn.Module, plan: Plan) -> dict[str, ModuleExec
         columns, rows = [], []
         consistent = True
         for name, child in module.named_children():
+            # a LoRA wrapper sits at its base layer's old path, the plan's name for its weight
             weight = f"{path}.{name}.weight" if path else f"{name}.weight"
             if weight not in plan:
                 continue
@@ -80,11 +81,32 @@ def tensor_parallel_blocks(model: nn.Module, plan: Plan) -> dict[str, ModuleExec
         for sub, _ in module.named_modules():
             full = f"{path}.{sub}".strip(".") if sub else path
             found[full] = ModuleExecution(True)
-        for name in columns:
-            found[f"{path}.{name}".strip(".")] = ModuleExecution(True, column=True)
-        for name in rows:
-            found[f"{path}.{name}".strip(".")] = ModuleExecution(True, row=True)
+        for name in columns + rows:
+            found.update(_split_linear(f"{path}.{name}".strip("."), module.get_submodule(name),
+                                       column=name in columns))
     return found
+
+
+def _split_linear(path: str, linear: nn.Module, column: bool) -> dict[str, ModuleExecution]:
+    """How a column or row linear of a tensor-parallel block computes, and, when peft's LoRA
+    wraps it (``base_layer`` beside ``lora_A`` and ``lora_B``), how its adapters do, placed as
+    planning/adapters.py places them: A split like the base's input, B like its output.
+
+    Column (W split by output): A is whole on every "model" rank and B holds this rank's output
+    rows, so B(A(x)) gives this rank's columns as the base does; A's input gradient is summed
+    over "model" as the base's is (its copy to the block), and so is A's weight gradient (each
+    rank's rows of B add to it). Row (W split by input): A holds this rank's input columns, so
+    A(x) is a partial sum, summed over "model" as the base's output is; B, whole, then computes
+    the same on every rank and its gradient is whole there too (not a sum over "model")."""
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return {path: ModuleExecution(True, column=column, row=not column)}
+    found = {f"{path}.base_layer": ModuleExecution(True, column=column, row=not column)}
+    for name in getattr(linear, "lora_A", {}):
+        found[f"{path}.lora_A.{name}"] = ModuleExecution(True, column=column, row=not column)
+        found[f"{path}.lora_B.{name}"] = ModuleExecution(column)
+    return found
+
 
 
 def gathering_units(model: nn.Module, blocks: dict) -> set[str]:
@@ -150,6 +172,21 @@ class Executor:
         self._handles = []
         self._hooks: list[_Hooks] = []
         self._inside_registered = set()
+        self._register()
+
+    def adopt_new_tensors(self) -> None:
+        """Hook the model again as it is now: tensors and modules added after loading (peft's
+        LoRA wrappers and their adapters, made DTensors by ``shard_adapters``) are then gathered
+        and, inside a tensor-parallel block, split like their base layer (see
+        ``tensor_parallel_blocks``)."""
+        self.remove()
+        self._hooks.clear()
+        self._inside_registered.clear()
+        self.blocks = tensor_parallel_blocks(self.model, self.plan)
+        self._register()
+
+    def _register(self) -> None:
+        model = self.model
         units = gathering_units(model, self.blocks)
         for path, module in model.named_modules():
             if getattr(module, "gathered_with_parent", False) or _inside(path, units):
@@ -375,8 +412,10 @@ class Executor:
                 raise ValueError(
                     f"{name} is not one of the tensors the dtensor runtime loaded (peft's LoRA "
                     "adapters, added after loading, are such plain tensors): with several "
-                    "processes each would compute and train it alone. LoRA on this runtime runs "
-                    "in one process only so far (docs/finetuning.md); or load with runtime='xla'")
+                    "processes each would compute and train it alone. Call "
+                    "AutoXLA.training.shard_adapters(model) after get_peft_model (it places "
+                    "the adapters as the plan says); other tensors cannot be added after "
+                    "loading on this runtime")
 
     # -- the batch -------------------------------------------------------------------------
     def batch_ranks(self) -> int:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ... import saving
 from ...sharding.hosts import Host
@@ -80,6 +81,27 @@ class DTensorRuntime:
             checkpoint_layers(model)
         record_state(model, plan=plan, mesh=mesh, runtime=self)
         return saving.attach(model)      # save_pretrained gathers and writes once (write_whole)
+
+    def place_adapters(self, model, adapters: dict, spec_of) -> None:
+        """``shard_adapters`` on this runtime: each LoRA adapter (``adapters``: path -> peft's
+        LoRA layer) becomes a DTensor with its planned placements (``spec_of(path, "lora_A")``),
+        from process 0's values so that every process starts from the same adapters (peft draws
+        A from each process's own generator), and the model's modules are hooked again to gather
+        them as they run (execute.py: split like their base layer inside a tensor-parallel
+        block)."""
+        mesh = state_of(model).mesh
+        for path, layer in adapters.items():
+            for which in ("lora_A", "lora_B"):
+                placements = placements_for(spec_of(path, which))
+                for linear in getattr(layer, which).values():
+                    w = linear.weight
+                    if isinstance(w, DTensor):
+                        continue          # placed by an earlier call
+                    linear.weight = nn.Parameter(
+                        distribute_tensor(w.detach().to(self.device()), mesh.device_mesh,
+                                          placements, src_data_rank=0),
+                        requires_grad=w.requires_grad)
+        self._executors[model].adopt_new_tensors()
 
     def write_whole(self, tensors: dict, groups: list[list[str]], write) -> None:
         """saving/pretrained.py's writer on this runtime: see saving.py."""
