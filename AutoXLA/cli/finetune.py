@@ -4,21 +4,26 @@
 The adapters wrap every linear projection of the decoder layers. Run it again with the same
 --out to resume from the last commit (a killed run continues where its last commit left it).
 Writes DIR/metrics.jsonl (a line per step), DIR/checkpoints/ and DIR/adapter/ (peft's format:
-loads with transformers + peft anywhere). On the xla runtime (docs/finetuning.md).
+loads with transformers + peft anywhere). On either runtime: with --runtime dtensor --nproc N
+it starts N processes, one per device, and process 0 prints and writes the log
+(docs/finetuning.md).
 """
 from __future__ import annotations
 
 import torch
 
+from ..generation.engine import engine_of
 from ..planning.adapters import plan_adapters
 from ..state import state_of
 from ..testing.real_model import chat_prompt
 from ..training import FinetuneConfig, finetune, qlora, read_records
-from .model_args import add_model_arguments, load_model
+from .model_args import (add_model_arguments, add_runtime_arguments, load_model, runtime_of,
+                         started_per_device)
 
 
 def add_arguments(p) -> None:
     add_model_arguments(p)
+    add_runtime_arguments(p)
     p.add_argument("--data", required=True, help="JSON lines: {'messages': [...]}, "
                    "{'prompt', 'completion'} or {'text'} records")
     p.add_argument("--out", required=True, help="directory for metrics, checkpoints and adapter")
@@ -51,9 +56,14 @@ def run(args) -> int:
     if args.lora_rank < 1:
         raise ValueError(f"--lora-rank {args.lora_rank}: give a rank >= 1")
     records = read_records(args.data)
-    # scanned by default (one layer compiled whatever the depth): the loop's shard_adapters
-    # stacks the adapters with their layers
-    model, tokenizer, seconds = load_model(args, "finetune", "fine-tune", ("xla",))
+    if runtime_of(args) == "dtensor":
+        started = started_per_device(args, args.nproc)
+        if started is not None:
+            return started
+    # scanned by default on the xla runtime (one layer compiled whatever the depth): the loop's
+    # shard_adapters stacks the adapters with their layers
+    model, tokenizer, seconds = load_model(args, "finetune", "fine-tune")
+    say = print if engine_of(model).writes_files() else (lambda *a, **k: None)
     # every decoder-layer projection, float or quantized: the plan names them
     targets = plan_adapters(state_of(model).plan, args.lora_rank).targets
     lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
@@ -62,20 +72,20 @@ def run(args) -> int:
     before = _answer(model, tokenizer, args.ask) if args.ask else None
     model = get_peft_model(model, qlora(lora))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"loaded in {seconds:.1f} s; LoRA r={args.lora_rank} on {', '.join(targets)}: "
+    say(f"loaded in {seconds:.1f} s; LoRA r={args.lora_rank} on {', '.join(targets)}: "
           f"{trainable:,} trainable parameters")
     result = finetune(model, tokenizer, records, config, args.out, progress=not args.no_progress)
     if result.resumed_from:
-        print(f"resumed from step {result.resumed_from}")
+        say(f"resumed from step {result.resumed_from}")
     last = result.steps[-1] if result.steps else None
     if last is not None:
-        print(f"step {last['step']}: loss {last['loss']:.4f}"
+        say(f"step {last['step']}: loss {last['loss']:.4f}"
               + (f", eval loss {result.eval_losses[-1]['loss']:.4f}" if result.eval_losses else ""))
-    print(f"adapter: {result.adapter}")
+    say(f"adapter: {result.adapter}")
     if args.ask:
         model.eval()
         after = _answer(model, tokenizer, args.ask)
-        print(f"asked: {args.ask}\n  before: {before}\n  after:  {after}")
+        say(f"asked: {args.ask}\n  before: {before}\n  after:  {after}")
     return 0
 
 

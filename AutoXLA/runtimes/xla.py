@@ -58,5 +58,10 @@ class XlaGenerationEngine:
         return backend.mark_sharding(t, mesh, spec)
 
     @staticmethod
+    def writes_files() -> bool:
+        """Whether this process writes a job's shared files (logs, progress): host 0."""
+        return backend.current_host().index == 0
+
+    @staticmethod
     def generating():
         return contextlib.nullcontext()     # the weights stay where the plan put them

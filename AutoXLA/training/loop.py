@@ -115,8 +115,10 @@ def finetune(model, tokenizer, records: list[dict], config: FinetuneConfig, out_
             warnings.simplefilter("ignore")
             for _ in range(result.resumed_from):
                 schedule.step()
-    metrics = _Metrics(out / METRICS, result.resumed_from)
-    bar = _bar(progress, config.steps, result.resumed_from)
+    # one process of a job writes the log and draws the bar (every process computes the same)
+    writes = engine.writes_files()
+    metrics = _Metrics(out / METRICS, result.resumed_from) if writes else None
+    bar = _bar(progress and writes, config.steps, result.resumed_from)
     model.train()
     try:
         for step in range(result.resumed_from, config.steps):
@@ -126,7 +128,8 @@ def finetune(model, tokenizer, records: list[dict], config: FinetuneConfig, out_
                                       or done == config.steps):
                 record["eval_loss"] = _evaluate(model, evals, device)
                 result.eval_losses.append({"step": done, "loss": record["eval_loss"]})
-            metrics.write(record)
+            if metrics is not None:
+                metrics.write(record)
             result.steps.append(record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.4f}",
@@ -137,7 +140,8 @@ def finetune(model, tokenizer, records: list[dict], config: FinetuneConfig, out_
     finally:
         if bar is not None:
             bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         commits.close()
     if hasattr(model, "peft_config"):
         result.adapter = out / "adapter"

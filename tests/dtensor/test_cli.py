@@ -6,10 +6,13 @@ The demo on 2 processes, eval-quant against the xla runtime. Wrong runtime argum
 errors."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +121,68 @@ def test_serve_says_it_runs_on_the_xla_runtime_only():
     out = _autoxla("serve", str(smollm2_checkpoint()), timeout=300)
     assert out.returncode == 2 and "autoxla serve runs on the xla runtime only" in out.stderr, \
         out.stderr[-2000:]
+
+
+def _records() -> list[dict]:
+    records = []
+    for i in range(20):
+        a, b = i % 7 + 1, i % 5 + 2
+        records.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
+    return records
+
+
+def _finetune(out: Path, path: str, data: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("RANK", None)
+    # its own session: a kill reaches the launcher and the processes it started
+    return subprocess.Popen(
+        [sys.executable, "-m", "AutoXLA.cli", "finetune", path, "--runtime", "dtensor",
+         "--nproc", "2", "--strategy", "2d", "--data", str(data), "--lora-rank", "4",
+         "--steps", "8", "--out", str(out), "--dtype", "fp32", "--batch-size", "4",
+         "--buckets", "48", "64", "--save-every", "3", "--lr", "1e-3", "--no-progress"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_finetune_on_two_processes_killed_resumes_with_an_uninterrupted_runs_losses(
+        chat_checkpoint, tmp_path):
+    # The loop's numbers on this runtime are tests/dtensor/test_lora.py's (the adapters against
+    # transformers + peft); here: the command on 2 processes (2d: model 2), process 0 alone
+    # printing and logging, and a kill of the whole job resumed from its last commit
+    path, _ = chat_checkpoint
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    whole = _finetune(tmp_path / "whole", path, data)
+    printed = whole.communicate(timeout=600)[0]
+    assert whole.returncode == 0, printed[-3000:]
+    assert printed.count("loaded in ") == 1 and "adapter: " in printed, printed[-3000:]
+    losses = _losses(tmp_path / "whole")
+    assert len(losses) == 8 and losses[-1] < losses[0], losses     # a line per step, once
+
+    killed = _finetune(tmp_path / "killed", path, data)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and killed.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break                                    # step 3 committed, steps 4 and 5 run
+        time.sleep(0.05)
+    assert killed.poll() is None, "the run ended before it could be killed"
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    again = _finetune(tmp_path / "killed", path, data)
+    out = again.communicate(timeout=600)[0]
+    assert again.returncode == 0, out[-3000:]
+    assert "resumed from step" in out
+    # the same kernels on the same inputs from the same state, on the same 2 processes: equal
+    assert _losses(tmp_path / "killed") == losses
+    # the adapter process 0 wrote loads in plain transformers + peft
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
+                              str(tmp_path / "whole" / "adapter"))

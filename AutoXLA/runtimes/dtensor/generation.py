@@ -83,6 +83,10 @@ class DTensorGenerationEngine:
     def device_owner(self):
         return _OWNER
 
+    def writes_files(self) -> bool:
+        """Whether this process writes a job's shared files (logs, progress): process 0."""
+        return process.rank() == 0
+
     def sync(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.synchronize()
