@@ -241,3 +241,27 @@ def saved_by_first_layer(decoder, hidden: int, dtype, b: int = 2, s: int = 16) -
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         decoder.layers[0](x, position_embeddings=cos_sin, attention_mask=None, position_ids=pos)
     return sum(n for ptr, n in seen.items() if ptr not in skip)
+
+
+def arithmetic_chat(n: int) -> list[dict]:
+    """``n`` chat records, "What is a plus b?" answered "a plus b is c.": a small task a tiny
+    model learns in a few steps (the fine-tuning tests)."""
+    records = []
+    for i in range(n):
+        a, b = i % 7 + 1, i % 5 + 2
+        records.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
+    return records
+
+
+def wait_for_lines(proc, path, lines: int, timeout: float = 600) -> None:
+    """Wait until ``path`` (a run's metrics.jsonl) has ``lines`` lines while ``proc`` runs; fails
+    if the run ends first (there would be nothing to kill)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= lines:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"

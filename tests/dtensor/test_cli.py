@@ -12,12 +12,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from AutoXLA.testing.real_model import chat_prompt, smollm2_checkpoint
+
+from ..helpers import arithmetic_chat, wait_for_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "What is the capital of France?"
@@ -123,15 +124,6 @@ def test_serve_says_it_runs_on_the_xla_runtime_only():
         out.stderr[-2000:]
 
 
-def _records() -> list[dict]:
-    records = []
-    for i in range(20):
-        a, b = i % 7 + 1, i % 5 + 2
-        records.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
-    return records
-
-
 def _finetune(out: Path, path: str, data: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
@@ -156,7 +148,7 @@ def test_finetune_on_two_processes_killed_resumes_with_an_uninterrupted_runs_los
     # printing and logging, and a kill of the whole job resumed from its last commit
     path, _ = chat_checkpoint
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _records()))
+    data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_chat(20)))
     whole = _finetune(tmp_path / "whole", path, data)
     printed = whole.communicate(timeout=600)[0]
     assert whole.returncode == 0, printed[-3000:]
@@ -165,13 +157,8 @@ def test_finetune_on_two_processes_killed_resumes_with_an_uninterrupted_runs_los
     assert len(losses) == 8 and losses[-1] < losses[0], losses     # a line per step, once
 
     killed = _finetune(tmp_path / "killed", path, data)
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and killed.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break                                    # step 3 committed, steps 4 and 5 run
-        time.sleep(0.05)
-    assert killed.poll() is None, "the run ended before it could be killed"
+    # step 3 committed, steps 4 and 5 run
+    wait_for_lines(killed, tmp_path / "killed" / "metrics.jsonl", 5)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
     again = _finetune(tmp_path / "killed", path, data)

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.training import Batches, FinetuneConfig, finetune, read_records, tokenize
 from AutoXLA.training.data import IGNORE, split
 
-from ..helpers import seed_lora_adapters
+from ..helpers import arithmetic_chat, seed_lora_adapters, wait_for_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,12 +39,7 @@ LOSS_RTOL = 1e-5
 
 
 def _records() -> list[dict]:
-    records = []
-    for i in range(20):
-        a, b = i % 7 + 1, i % 5 + 2
-        answer = f"{a} plus {b} is {a + b}."
-        records.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                                     {"role": "assistant", "content": answer}]})
+    records = arithmetic_chat(20)
     records.append({"prompt": "Name a colour:", "completion": " blue"})
     records.append({"text": "The quick brown fox jumps over the lazy dog. " * 4})
     return records
@@ -206,13 +200,8 @@ def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(chat_check
     assert "  before: " in printed and "  after:  " in printed, printed[-3000:]
 
     killed = _cli(args(tmp_path / "killed"), env)
-    metrics = tmp_path / "killed" / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and killed.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break                                    # step 3 committed, steps 4 and 5 run
-        time.sleep(0.05)
-    assert killed.poll() is None, "the run ended before it could be killed"
+    # step 3 committed, steps 4 and 5 run
+    wait_for_lines(killed, tmp_path / "killed" / "metrics.jsonl", 5)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     commits = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()

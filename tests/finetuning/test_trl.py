@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..helpers import seed_lora_adapters
+from ..helpers import arithmetic_chat, seed_lora_adapters
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -31,15 +31,6 @@ STEPS = 6
 # gradients of ~1e-9 by themselves and turns last-bit differences into 1e-4 (observed).
 LOSS_RTOL = 1e-5
 SETTINGS = dict(optim="adamw_torch", pad_to_multiple_of=64, max_length=64, bf16=False)
-
-
-def _records() -> list[dict]:
-    records = []
-    for i in range(32):
-        a, b = i % 7 + 1, i % 5 + 2
-        records.append({"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
-                                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
-    return records
 
 
 def sft(model, tokenizer, out_dir, **settings):
@@ -56,7 +47,8 @@ def sft(model, tokenizer, out_dir, **settings):
     args = SFTConfig(output_dir=str(out_dir), max_steps=STEPS, per_device_train_batch_size=4,
                      learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no",
                      seed=0, **settings)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(_records()),
+    trainer = SFTTrainer(model=model, args=args,
+                         train_dataset=Dataset.from_list(arithmetic_chat(32)),
                          processing_class=tokenizer)
     if model.device.type == "xla":       # the recipe's optional step: adapters placed by the plan
         from AutoXLA.training import shard_adapters
