@@ -315,6 +315,25 @@ def _act_dtype(plan) -> tuple[str, int]:
     return dtype, _FLOAT_BYTES[dtype]
 
 
+def dequantized_weights(plan) -> Line | None:
+    """The float weight of every quantized linear, kept from the forward to the backward by an
+    unrolled, uncheckpointed training step (its input gradient needs it): measured on XLA:CPU,
+    every layer's fp32 dequantized weight live at the step's peak (the 16-layer int4 Llama of
+    docs/finetuning.md: 109 such buffers), which an XLA optimization barrier did not free.
+    A scanned or checkpointed stack recomputes one layer at a time instead. Per device: each
+    weight split as its codes are."""
+    total = 0
+    for t in plan.tensors:
+        if t.backend and t.role != rules.EXPERTS and not t.tied_to:
+            pieces = math.prod(t.shape) // max(math.prod(t.shard_shape), 1)
+            total += math.prod(t.source_shape) * 4 // max(pieces, 1)
+    if not total:
+        return None
+    return Line("dequantized weights", total, "unrolled, no checkpointing: every quantized "
+                "linear's weight dequantized in fp32 for the backward, split like its codes "
+                "(measured on XLA:CPU; docs/finetuning.md)")
+
+
 def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
     """Parameters, gradients, optimizer states, activations saved for the backward and logits of
     one training step, per device. With LoRA (``plan.adapters``) the base is frozen: only the
@@ -378,6 +397,9 @@ def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
     else:
         act = layers * tokens * per_layer
         formula = f"unrolled, no checkpointing: L*{b_s}*A, A = {per_layer:.0f} B/token per layer"
+        dequantized = dequantized_weights(plan)
+        if dequantized is not None:
+            lines.append(dequantized)
     if adapters is not None:
         formula += (" (LoRA: the frozen base's weight-gradient inputs out; A's output for B's "
                     f"gradient and, where the model's dtype differs, A's input in "

@@ -130,3 +130,31 @@ def test_a_scanned_plan_stacks_adapters_and_checkpoints_every_layer():
     plain = {l.name: l for l in training_forecast(unrolled, config, setup).lines}
     assert "checkpointed per layer" in lines["activations"].formula
     assert lines["activations"].bytes_per_device < plain["activations"].bytes_per_device
+
+
+def test_an_unrolled_quantized_step_counts_every_dequantized_weight_a_scanned_one_none():
+    # Measured on XLA:CPU (docs/finetuning.md, "Not yet"): an unrolled int4 LoRA step keeps
+    # every quantized projection's weight dequantized in fp32 from its forward to its backward
+    # (109 such buffers live at the peak of a 16-layer Llama's step). The reference: the float
+    # model's own projections, on one device (nothing split), 4 bytes per weight.
+    from AutoXLA.quantization import QuantizationConfig
+
+    config = tiny_config("llama")
+    quant = QuantizationConfig(bits=4)
+    setup = TrainingSetup(2, 16)
+    unrolled = _with_adapters(plan_from_config(config, "fsdp", 1, quantization_config=quant,
+                                               scan_layers=False), 8)
+    quantized = {t.name for t in unrolled.tensors if t.backend}
+    float_model = transformers.AutoModelForCausalLM.from_config(config)
+    want = sum(4 * m.weight.numel() for n, m in float_model.named_modules()
+               if isinstance(m, torch.nn.Linear) and f"{n}.weight" in quantized)
+    assert want and len(quantized) == 2 * len(TARGETS)          # 2 layers x 7 projections
+    lines = {l.name: l.bytes_per_device for l in training_forecast(unrolled, config, setup).lines}
+    assert lines["dequantized weights"] == want
+    scanned = _with_adapters(plan_from_config(config, "fsdp", 1, quantization_config=quant), 8)
+    assert "dequantized weights" not in {l.name for l in
+                                         training_forecast(scanned, config, setup).lines}
+    eight = _with_adapters(plan_from_config(config, "fsdp", 8, quantization_config=quant,
+                                            scan_layers=False), 8)
+    split = {l.name: l.bytes_per_device for l in training_forecast(eight, config, setup).lines}
+    assert want // 8 <= split["dequantized weights"] < want     # split like the codes
