@@ -108,7 +108,6 @@ def _split_linear(path: str, linear: nn.Module, column: bool) -> dict[str, Modul
     return found
 
 
-
 def gathering_units(model: nn.Module, blocks: dict) -> set[str]:
     """The decoder layers that gather all their tensors at once, as FSDP2 wraps them: one hook
     pair per layer instead of one per module (bench/runtimes.py: the hooks of a 135M model's
