@@ -31,14 +31,14 @@ def config():
     return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
 
 
-def train(model, batches) -> tuple[list[float], dict, torch.optim.Optimizer]:
+def train(model, batches, steps: int = STEPS) -> tuple[list[float], dict, torch.optim.Optimizer]:
     """The losses of STEPS AdamW steps, and the adapters' first gradients whole: AdamW's
     normalised update hides a gradient off by a constant factor (one summed twice over
     "model"), so the gradients are compared too."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     losses, first = [], {}
-    for step in range(STEPS):
+    for step in range(steps):
         ids = batches[step % 2]
         opt.zero_grad()
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -58,7 +58,8 @@ def worst_gradient(got: dict, want: dict) -> float:
     return max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
 
 
-def reference(checkpoint: str, batches, dequantized: dict) -> tuple[list[float], dict]:
+def reference(checkpoint: str, batches, dequantized: dict, steps: int = STEPS
+              ) -> tuple[list[float], dict]:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -70,10 +71,13 @@ def reference(checkpoint: str, batches, dequantized: dict) -> tuple[list[float],
             model.get_submodule(name).weight.copy_(weight)
     model = get_peft_model(model, config())
     seed_lora_adapters(model)
-    return train(model, batches)[:2]
+    return train(model, batches, steps)[:2]
 
 
-def case(checkpoint: str, strategy: str, bits, batches, out: str | None) -> dict:
+def case(checkpoint: str, strategy: str, bits, batches, out: str | None,
+         steps: int = STEPS, every_rank: bool = True) -> dict:
+    """One case's result (process 0's is written). ``every_rank=False``: only process 0 runs
+    the CPU reference (no collectives in it), the others report their own numbers unchecked."""
     from peft import get_peft_model
 
     from AutoXLA.modeling import AutoXLAModelForCausalLM
@@ -102,8 +106,9 @@ def case(checkpoint: str, strategy: str, bits, batches, out: str | None) -> dict
     model = get_peft_model(model, qlora(config()) if bits else config())
     placed = shard_adapters(model)
     seed_lora_adapters(model)
-    losses, grads, opt = train(model, batches)
-    want_losses, want_grads = reference(checkpoint, batches, dequantized)
+    losses, grads, opt = train(model, batches, steps)
+    want_losses, want_grads = (reference(checkpoint, batches, dequantized, steps)
+                               if every_rank or dist.get_rank() == 0 else (losses, grads))
 
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     after = {n.replace("base_model.model.", "").replace(".base_layer", ""): whole(t)
@@ -128,8 +133,16 @@ def case(checkpoint: str, strategy: str, bits, batches, out: str | None) -> dict
     return result
 
 
-def main(checkpoint: str, out: str) -> None:
+def main(checkpoint: str, out: str, real: str = "") -> None:
     g = torch.Generator().manual_seed(1)
+    if real:       # the real SmolLM2 (bench/real_lora.py): 20 steps under 2d and fsdp
+        batches = [torch.randint(3, 49000, (4, 32), generator=g) for _ in range(2)]
+        runs = {s: case(checkpoint, s, None, batches, None, 20, every_rank=False)
+                for s in ("2d", "fsdp")}
+        if dist.get_rank() == 0:
+            with open(os.path.join(out, "real.json"), "w") as f:
+                json.dump(runs, f)
+        return
     batches = [torch.randint(3, 250, (8, 16), generator=g) for _ in range(2)]
     runs = {"2d": case(checkpoint, "2d", None, batches, out),
             "fsdp": case(checkpoint, "fsdp", None, batches, None),
@@ -141,4 +154,4 @@ def main(checkpoint: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
