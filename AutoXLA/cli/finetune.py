@@ -4,11 +4,14 @@
 The adapters wrap every linear projection of the decoder layers. Run it again with the same
 --out to resume from the last commit (a killed run continues where its last commit left it).
 Writes DIR/metrics.jsonl (a line per step), DIR/checkpoints/ and DIR/adapter/ (peft's format:
-loads with transformers + peft anywhere). On either runtime: with --runtime dtensor --nproc N
+loads with transformers + peft anywhere); with --merge MERGED also a full checkpoint with the
+adapters merged into the float base (loads in transformers and in from_pretrained). On either runtime: with --runtime dtensor --nproc N
 it starts N processes, one per device, and process 0 prints and writes the log
 (docs/finetuning.md).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -16,7 +19,7 @@ from ..generation.engine import engine_of
 from ..planning.adapters import plan_adapters
 from ..state import state_of
 from ..testing.real_model import chat_prompt
-from ..training import FinetuneConfig, finetune, qlora, read_records
+from ..training import FinetuneConfig, finetune, merge_and_save, qlora, read_records
 from .model_args import (add_model_arguments, add_runtime_arguments, load_model, runtime_of,
                          started_per_device)
 
@@ -43,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--ask", default=None, help="a question to answer (greedy, through the chat "
                    "template) before and after training, to see what it learned")
+    p.add_argument("--merge", default=None, metavar="MERGED",
+                   help="after training, write a full checkpoint with the adapters merged into "
+                   "the float base to MERGED (xla runtime, float base)")
 
 
 def run(args) -> int:
@@ -55,6 +61,7 @@ def run(args) -> int:
         **({"buckets": tuple(args.buckets)} if args.buckets else {}))
     if args.lora_rank < 1:
         raise ValueError(f"--lora-rank {args.lora_rank}: give a rank >= 1")
+    _check_merge(args)
     records = read_records(args.data)
     if runtime_of(args) == "dtensor":
         started = started_per_device(args, args.nproc)
@@ -86,7 +93,32 @@ def run(args) -> int:
         model.eval()
         after = _answer(model, tokenizer, args.ask)
         say(f"asked: {args.ask}\n  before: {before}\n  after:  {after}")
+    if args.merge:
+        merge_and_save(model, args.merge)
+        if engine_of(model).writes_files():    # usable as it is: `autoxla generate MERGED`
+            tokenizer.save_pretrained(args.merge)
+        say(f"merged checkpoint: {args.merge}")
     return 0
+
+
+def _check_merge(args) -> None:
+    """--merge's limits, said before loading rather than after a long run."""
+    if not args.merge:
+        return
+    if getattr(args, "bits", None):
+        raise ValueError(
+            f"--merge {args.merge} with --bits {args.bits}: a quantized base cannot take the "
+            "float update. Train without --merge, then load the float checkpoint, attach "
+            "OUT/adapter (PeftModel.from_pretrained) and merge that (merge_and_save), and "
+            "`autoxla quantize` the merged checkpoint if wanted")
+    if runtime_of(args) == "dtensor":
+        raise ValueError(
+            f"--merge {args.merge} runs on the xla runtime only for now: on the dtensor runtime "
+            "train without --merge and merge OUT/adapter into the float checkpoint with plain "
+            "transformers + peft (PeftModel.from_pretrained(...).merge_and_unload())")
+    if os.path.exists(args.merge) and os.listdir(args.merge):
+        raise ValueError(f"--merge {args.merge}: the directory is not empty; give a new one "
+                         "(a merged checkpoint never overwrites files)")
 
 
 def _answer(model, tokenizer, question: str, max_new_tokens: int = 32) -> str:

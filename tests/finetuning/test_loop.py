@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
 from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
@@ -194,12 +194,27 @@ def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(chat_check
                         "--out", str(out), "--dtype", "fp32", "--batch-size", "4",
                         "--buckets", "48", "64", "--save-every", "3", "--lr", "1e-3",
                         "--devices", "2", "--no-progress", "--ask", "What is 2 plus 3?"]
-    whole = _cli(args(tmp_path / "whole"), env)
+    # the uninterrupted run also merges (after its last step: its losses are unchanged)
+    whole = _cli(args(tmp_path / "whole") + ["--merge", str(tmp_path / "merged")], env)
     printed = whole.communicate(timeout=600)[0]
     assert whole.returncode == 0, printed[-3000:]
     # the question answered by the base, then by the trained adapters (the tiny model's words
     # are noise; the real model's before and after are in docs/finetuning.md)
     assert "  before: " in printed and "  after:  " in printed, printed[-3000:]
+    # the merged checkpoint in plain transformers gives the base + the written adapter's logits
+    # (fp32; W + B A merged on the devices vs B A applied beside W: summation order only)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        assert AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32), str(tmp_path / "whole" / "adapter"))
+        want = adapted.eval()(input_ids=ids).logits
+        torch.testing.assert_close(merged.eval()(input_ids=ids).logits, want, rtol=1e-4,
+                                   atol=1e-4)
+        with adapted.disable_adapter():      # and the merge is visible at that tolerance
+            base = adapted(input_ids=ids).logits
+        assert (want - base).abs().max() > 1e-3
 
     killed = _cli(args(tmp_path / "killed"), env)
     # step 3 committed, steps 4 and 5 run
@@ -217,3 +232,26 @@ def test_a_killed_run_resumes_with_the_losses_of_an_uninterrupted_one(chat_check
     # the same programs on the same inputs from the same state: equal, not merely close
     assert _losses(tmp_path / "killed") == _losses(tmp_path / "whole")
     assert len(_losses(tmp_path / "whole")) == 8
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--bits", "4"], "quantized base cannot take the float update"),
+    (["--runtime", "dtensor"], "xla runtime only"),
+    ([], "not empty"),
+])
+def test_merge_refuses_what_it_cannot_do_before_loading(tmp_path, capsys, extra, match):
+    """--merge's limits are said before anything loads (the checkpoint path does not exist),
+    in one line, with exit code 2."""
+    from AutoXLA.cli.main import main
+
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    if not extra:
+        (merged / "config.json").write_text("{}")
+    code = main(["finetune", "/nonexistent", "--data", str(_write(tmp_path / "d.jsonl",
+                 _records())), "--lora-rank", "4", "--steps", "1", "--out",
+                 str(tmp_path / "out"), "--merge", str(merged), *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and match in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and os.listdir(merged) == ([] if extra else
+                                                                      ["config.json"])
