@@ -5,9 +5,9 @@ The adapters wrap every linear projection of the decoder layers. Run it again wi
 --out to resume from the last commit (a killed run continues where its last commit left it).
 Writes DIR/metrics.jsonl (a line per step), DIR/checkpoints/ and DIR/adapter/ (peft's format:
 loads with transformers + peft anywhere); with --merge MERGED also a full checkpoint with the
-adapters merged into the float base (loads in transformers and in from_pretrained). On either runtime: with --runtime dtensor --nproc N
-it starts N processes, one per device, and process 0 prints and writes the log
-(docs/finetuning.md).
+adapters merged into the float base (loads in transformers and in from_pretrained). On either
+runtime: with --runtime dtensor --nproc N it starts N processes, one per device, and process 0
+prints and writes the log (docs/finetuning.md).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def _check_merge(args) -> None:
         raise ValueError(
             f"--merge {args.merge} with --bits {args.bits}: a quantized base cannot take the "
             "float update. Train without --merge, then load the float checkpoint, attach "
-            "OUT/adapter (PeftModel.from_pretrained) and merge that (merge_and_save), and "
+            "OUT/adapter (load_adapter) and merge that (merge_and_save), and "
             "`autoxla quantize` the merged checkpoint if wanted")
     if runtime_of(args) == "dtensor":
         raise ValueError(

@@ -2,8 +2,9 @@
 quantized linears too (QLoRA, ``qlora``), and the loop (``finetune``: data by length bucket,
 accumulation, warm-up and cosine, evaluation, metrics, commits and exact resumption)."""
 from .data import Batches, read_records, tokenize
-from .lora import merge_and_save, qlora, quantized_lora_linear, save_adapter, shard_adapters
+from .lora import load_adapter, merge_and_save, qlora, quantized_lora_linear, save_adapter, shard_adapters
 from .loop import FinetuneConfig, Result, finetune
 
-__all__ = ["Batches", "FinetuneConfig", "Result", "finetune", "merge_and_save", "qlora",
+__all__ = ["Batches", "FinetuneConfig", "Result", "finetune", "load_adapter", "merge_and_save",
+           "qlora",
            "quantized_lora_linear", "read_records", "save_adapter", "shard_adapters", "tokenize"]

@@ -57,6 +57,12 @@ def shard_adapters(model) -> AdapterPlan | None:
     and optimizer states on every device. On the dtensor runtime the adapters become DTensors
     placed the same way (from process 0's values), which several processes need: until then
     the model refuses to run there, naming this call."""
+    return _place_adapters(model)
+
+
+def _place_adapters(model, set_values=None) -> AdapterPlan | None:
+    """shard_adapters, calling ``set_values(model)`` once the adapters are per-layer tensors
+    of their whole shape and before they are stacked or distributed (load_adapter's values)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     state = state_of(base)
     if state.plan is None:
@@ -68,12 +74,18 @@ def shard_adapters(model) -> AdapterPlan | None:
     # the plan places the decoder layers' adapters; one elsewhere (lm_head) stays whole
     wrapped = {path: m for path, m in wrapped.items() if _IN_LAYER.search(path)}
     if not wrapped:
+        if set_values is not None:
+            set_values(model)
         return None
     ranks = {m.r[name] for m in wrapped.values() for name in m.lora_A}
     dtypes = {str(m.lora_A[name].weight.dtype).removeprefix("torch.")
               for m in wrapped.values() for name in m.lora_A}
     plan = plan_adapters(state.plan, max(ranks), dtypes.pop() if len(dtypes) == 1 else "float32",
                          tuple(sorted({path.rsplit(".", 1)[-1] for path in wrapped})))
+    if state.runtime is not None:
+        _whole_shapes(model, wrapped)
+    if set_values is not None:
+        set_values(model)
     if state.runtime is None:       # the xla runtime (another runtime is recorded by name)
         _stack_scanned(base, plan, state.mesh)
         engine = engine_of(base)
@@ -84,7 +96,6 @@ def shard_adapters(model) -> AdapterPlan | None:
                     if "weight" in linear._parameters:      # not one of a stacked layer's rows
                         engine.mark_sharding(linear.weight, state.mesh, spec)
     else:
-        _whole_shapes(model, wrapped)
         state.runtime.place_adapters(base, wrapped, plan.spec_of)
     if len(ranks) == 1:      # rank_pattern's mixed ranks: placed, but not one plan's bytes
         record_state(base, plan=dataclasses.replace(state.plan, adapters=plan))
@@ -165,11 +176,53 @@ def save_adapter(model, directory) -> None:
                         lambda copies: model.save_pretrained(directory, state_dict=next(copies)))
 
 
+def load_adapter(model, directory, is_trainable: bool = False):
+    """An adapter saved in peft's format (``save_adapter``, ``autoxla finetune``'s OUT/adapter,
+    or any peft LoRA adapter for this architecture) on a model AutoXLA loaded: wrapped as peft
+    wraps it (the saved LoraConfig), placed as the plan says (``shard_adapters``) and set to the
+    saved values; returns the peft model. ``PeftModel.from_pretrained`` cannot do this on the
+    dtensor runtime with several processes: peft sizes adapters there by the weight's local
+    piece, and loads whole tensors into them. Call it on every process; frozen unless
+    ``is_trainable``."""
+    import os
+
+    from peft import PeftConfig, get_peft_model
+    from peft.utils import load_peft_weights
+
+    config = PeftConfig.from_pretrained(str(directory))
+    config.inference_mode = not is_trainable
+    peft_model = get_peft_model(model, qlora(config))
+    saved = load_peft_weights(str(directory), device="cpu")
+    where = os.path.join(str(directory), "adapter_model.safetensors")
+    _place_adapters(peft_model, lambda m: _set_adapters(m, saved, where))
+    return peft_model
+
+
+def _set_adapters(model, saved: dict, where: str) -> None:
+    """Every adapter parameter set from ``saved`` (peft's file keys: the adapter's name left
+    out); a missing or misshapen tensor named with the file."""
+    name = model.active_adapter
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "lora_" not in param_name:
+                continue
+            key = param_name.replace(f".{name}.", ".")
+            if key not in saved:
+                raise ValueError(f"{where} has no tensor {key} for {param_name}: the adapter "
+                                 "was saved for another model or other target modules")
+            value = saved[key]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{where}: {key} is {list(value.shape)}, the model's "
+                                 f"{param_name} is {list(p.shape)}: the adapter was saved for "
+                                 "a model of another size or rank")
+            p.copy_(value.to(p.dtype).to(p.device))
+
+
 def merge_and_save(model, directory) -> nn.Module:
     """A peft model's adapters merged into its float base (W + B A scaling, on the devices, as
     peft merges), written by AutoXLA's save_pretrained as a full checkpoint that transformers and
     from_pretrained load; returns the merged model (peft's wrappers gone). A quantized base is
-    refused: load the float checkpoint, attach the adapter (PeftModel.from_pretrained), merge
+    refused: load the float checkpoint, attach the adapter (load_adapter), merge
     that, and quantize the result again (`autoxla quantize`) if wanted."""
     quantized = [name for name, m in model.named_modules()
                  if isinstance(getattr(m, "base_layer", None), QuantizedLinear)]
@@ -177,7 +230,7 @@ def merge_and_save(model, directory) -> nn.Module:
         raise ValueError(
             f"{quantized[0]} (and {len(quantized) - 1} more) wraps a quantized base, which "
             "cannot take the float update: load the float checkpoint, attach the adapter "
-            "(PeftModel.from_pretrained(model, ADAPTER_DIR)), merge_and_save that, then "
+            "(load_adapter(model, ADAPTER_DIR)), merge_and_save that, then "
             "`autoxla quantize` the merged checkpoint")
     stacks = [m for m in model.modules() if isinstance(m, StackedDecoderLayers)]
     for stack in stacks:

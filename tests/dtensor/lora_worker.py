@@ -4,7 +4,9 @@ the same adapters and batches, 8 AdamW steps each. Cases: float 2d (fsdp x model
 and tensor-parallel blocks whose column and row linears carry adapters), float fsdp, and QLoRA
 on an int4 2d base (the reference: transformers with each projection's weight replaced by what
 AutoXLA's quantized linear dequantizes to). Process 0 writes OUT/lora.json and, for the float 2d
-case, the adapter in peft's format (OUT/adapter) with the trained model's logits."""
+case, the adapter in peft's format (OUT/adapter) with the trained model's logits. With a third
+argument (``real``), bench/real_lora.py's run instead: the real SmolLM2, 20 steps under 2d and
+fsdp, the reference on process 0 only, OUT/real.json."""
 from __future__ import annotations
 
 import json
@@ -85,7 +87,7 @@ def case(checkpoint: str, strategy: str, bits, batches, out: str | None,
     from AutoXLA.quantization.linear import QuantizedLinear
     from AutoXLA.quantization.packing import dequantize
     from AutoXLA.state import state_of
-    from AutoXLA.training import qlora, save_adapter, shard_adapters
+    from AutoXLA.training import load_adapter, qlora, save_adapter, shard_adapters
     from tests.helpers import seed_lora_adapters
 
     quant = {} if bits is None else dict(do_quant=True, quantization_config=QuantizationConfig(
@@ -130,6 +132,17 @@ def case(checkpoint: str, strategy: str, bits, batches, out: str | None,
         with torch.no_grad():
             logits = model(input_ids=batches[0], use_cache=False).logits
         result["logits"] = logits.tolist()
+        # the adapter written, loaded onto a fresh model on the 4 processes (load_adapter)
+        fresh = AutoXLAModelForCausalLM.from_pretrained(checkpoint, runtime="dtensor",
+                                                        sharding_strategy=strategy,
+                                                        dtype=torch.float32)
+        dist.barrier()                   # process 0 has written the adapter's files
+        loaded = load_adapter(fresh, os.path.join(out, "adapter")).eval()
+        with torch.no_grad():
+            again = loaded(input_ids=batches[0], use_cache=False).logits
+        result["reloaded_logits"] = again.tolist()
+        result["reloaded_all_dtensors"] = all(isinstance(p, DTensor) for n, p in
+                                              loaded.named_parameters() if "lora_" in n)
     return result
 
 

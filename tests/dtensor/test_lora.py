@@ -3,9 +3,9 @@
 losses of transformers + peft on the CPU with the same adapters, under 2d (a split batch, and
 tensor-parallel blocks whose column and row linears carry adapters), fsdp, and on an int4 2d
 base (QLoRA, against LoRA on the dequantized base). Only the adapters train; the base is
-bit-identical afterwards; the adapter process 0 writes loads in plain transformers + peft and
-gives the trained model's logits. Without ``shard_adapters`` several processes refuse by name
-(tests/dtensor/test_training.py)."""
+bit-identical afterwards; the adapter process 0 writes loads in plain transformers + peft, and
+onto a fresh model on the 4 processes (``load_adapter``), and gives the trained model's logits.
+Without ``shard_adapters`` several processes refuse by name (tests/dtensor/test_training.py)."""
 from __future__ import annotations
 
 import json
@@ -73,3 +73,8 @@ def test_the_adapter_process_0_wrote_loads_in_transformers_and_peft(runs):
     want = torch.tensor(results["2d"]["logits"])
     assert logits.shape == want.shape
     torch.testing.assert_close(logits, want, atol=LOGIT_ATOL, rtol=0)
+    # and loaded back onto a fresh model on the 4 processes (load_adapter; peft's
+    # PeftModel.from_pretrained would size the adapters by the local piece): the same logits
+    assert results["2d"]["reloaded_all_dtensors"]
+    torch.testing.assert_close(torch.tensor(results["2d"]["reloaded_logits"]), want,
+                               atol=LOGIT_ATOL, rtol=0)

@@ -8,7 +8,8 @@ gradients and optimizer state; the base weights are bit-identical afterwards; af
 steps no step compiles a program; a scanned stack runs as its loop. A scanned model whose
 adapters were not stacked refuses to run, naming the call that stacks them. The adapters merged
 and saved (``merge_and_save``) load in plain transformers and in from_pretrained with the logits
-of the unmerged model.
+of the unmerged model; the adapter saved and loaded onto a fresh model (``load_adapter``) gives
+them too.
 """
 import pytest
 import torch
@@ -19,7 +20,7 @@ from AutoXLA import backend
 from AutoXLA.modeling import AutoXLAModelForCausalLM
 from AutoXLA.modeling.scan import stack_of
 from AutoXLA.state import state_of
-from AutoXLA.training import merge_and_save, shard_adapters
+from AutoXLA.training import load_adapter, merge_and_save, save_adapter, shard_adapters
 
 from ..helpers import seed_lora_adapters
 
@@ -175,6 +176,24 @@ def test_merged_checkpoint_loads_in_transformers_and_from_pretrained(scanned, ch
     model.eval()
     with torch.no_grad():
         want = model(input_ids=ids.to(backend.device())).logits.cpu()
+    # the adapter saved and loaded onto a fresh model (load_adapter: placed, stacked when
+    # scanned) gives the same logits: the same fp32 values and programs, summation order only
+    save_adapter(model, tmp_path / "adapter")
+    fresh = lambda: AutoXLAModelForCausalLM.from_pretrained(  # noqa: E731
+        checkpoints["llama"], dtype=torch.float32, sharding_strategy="fsdp", scan_layers=scanned)
+    loaded = load_adapter(fresh(), tmp_path / "adapter").eval()
+    assert not any(p.requires_grad for p in loaded.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids.to(backend.device())).logits.cpu(),
+                                   want, rtol=1e-4, atol=1e-4)
+    if not scanned:                               # a file without one of the adapters: named
+        from safetensors.torch import load_file, save_file
+        path = tmp_path / "adapter" / "adapter_model.safetensors"
+        tensors = load_file(path)
+        gone = sorted(tensors)[0]
+        save_file({k: v for k, v in tensors.items() if k != gone}, path)
+        with pytest.raises(ValueError, match=rf"adapter_model.safetensors has no tensor {gone}"):
+            load_adapter(fresh(), tmp_path / "adapter")
     merged = merge_and_save(model, tmp_path / "merged")
     assert not any("lora_" in n for n in merged.state_dict())
     if scanned:                                   # the stack lost its adapters, kept its loop
