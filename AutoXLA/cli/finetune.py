@@ -105,7 +105,7 @@ def _check_merge(args) -> None:
     """--merge's limits, said before loading rather than after a long run."""
     if not args.merge:
         return
-    if getattr(args, "bits", None):
+    if args.bits:
         raise ValueError(
             f"--merge {args.merge} with --bits {args.bits}: a quantized base cannot take the "
             "float update. Train without --merge, then load the float checkpoint, attach "

@@ -2,9 +2,10 @@
 quantized linears too (QLoRA, ``qlora``), and the loop (``finetune``: data by length bucket,
 accumulation, warm-up and cosine, evaluation, metrics, commits and exact resumption)."""
 from .data import Batches, read_records, tokenize
-from .lora import load_adapter, merge_and_save, qlora, quantized_lora_linear, save_adapter, shard_adapters
+from .lora import (load_adapter, merge_and_save, qlora, quantized_lora_linear, save_adapter,
+                   shard_adapters)
 from .loop import FinetuneConfig, Result, finetune
 
 __all__ = ["Batches", "FinetuneConfig", "Result", "finetune", "load_adapter", "merge_and_save",
-           "qlora",
-           "quantized_lora_linear", "read_records", "save_adapter", "shard_adapters", "tokenize"]
+           "qlora", "quantized_lora_linear", "read_records", "save_adapter", "shard_adapters",
+           "tokenize"]

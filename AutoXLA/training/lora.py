@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 
 import torch
@@ -184,8 +185,6 @@ def load_adapter(model, directory, is_trainable: bool = False):
     dtensor runtime with several processes: peft sizes adapters there by the weight's local
     piece, and loads whole tensors into them. Call it on every process; frozen unless
     ``is_trainable``."""
-    import os
-
     from peft import PeftConfig, get_peft_model
     from peft.utils import load_peft_weights
 
