@@ -216,7 +216,7 @@ def seed_lora_adapters(model) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                key = name.split("layers.", 1)[1]
+                key = name.split("layers.", 1)[-1]      # lm_head: the whole name
                 g = torch.Generator().manual_seed(sum(map(ord, key)))
                 value = (0.02 * torch.randn(p.shape, generator=g)).to(p.device)
                 if isinstance(p, DTensor):

@@ -32,11 +32,13 @@
     autoxla finetune PATH --data FILE.jsonl --lora-rank R --steps N --out DIR [--bits 8|4]
                  [--strategy fsdp] [--dtype fp32] [--batch-size 8] [--grad-accum 1] [--lr 2e-4]
                  [--warmup-steps W] [--buckets 64 128 256 512] [--eval-fraction F]
-                 [--eval-every K] [--save-every K] [--seed S] [--no-progress]
+                 [--eval-every K] [--save-every K] [--seed S] [--no-progress] [--ask TEXT]
+                 [--merge MERGED] [--runtime xla|dtensor [--nproc N]]
         LoRA (QLoRA with --bits) on every linear projection of the decoder layers: chat,
         prompt/completion or text records, loss on the answer; a line of JSON per step in
         DIR/metrics.jsonl, commits in DIR/checkpoints (the same command resumes from the last),
-        the adapter in DIR/adapter in peft's format (docs/finetuning.md). xla runtime.
+        the adapter in DIR/adapter in peft's format (docs/finetuning.md); --merge: a full
+        checkpoint with the adapters merged in (float, or quantized again with --bits).
     autoxla eval-quant PATH [--formats int8,w8a8,int4-b32,q8_0,q4_0,...] [--bits 8 4]
                  [--text FILE] [--max-tokens N] [--strategy 2d] [--markdown] [--list]
         Accuracy of quantization formats against the float model, each loaded sharded: perplexity
@@ -46,6 +48,9 @@
                  [--scale-dtype bf16] [--search | --no-search] [--exclude PATTERN ...] [--overwrite]
         Quantize a float checkpoint on the CPU host, one tensor at a time (no XLA devices): DST is
         what from_pretrained(do_quant=True) + save_pretrained would write, and loads as it is.
+    autoxla merge BASE ADAPTER OUT [--bits 8|4 [--block-size N] ...] [--dtype bf16]
+        A LoRA adapter (peft's format) merged into the float checkpoint BASE on the CPU host, one
+        weight at a time: OUT is float, or quantized with --bits as `autoxla quantize` would.
     autoxla doctor [PATH] [--seq S] [--batch B] [--strategy fsdp] [--compile-cache DIR] [--json]
     autoxla doctor --selftest          the Pallas kernels against eager (emulated off a TPU)
         Versions, XLA devices (kind, count, SPMD), the runtimes usable here (xla, dtensor and

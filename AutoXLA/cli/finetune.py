@@ -5,12 +5,14 @@ The adapters wrap every linear projection of the decoder layers. Run it again wi
 --out to resume from the last commit (a killed run continues where its last commit left it).
 Writes DIR/metrics.jsonl (a line per step), DIR/checkpoints/ and DIR/adapter/ (peft's format:
 loads with transformers + peft anywhere); with --merge MERGED also a full checkpoint with the
-adapters merged into the float base (loads in transformers and in from_pretrained). On either
+adapters merged in, on the host from PATH's files (training/merge.py: float, or quantized again
+as the run's --bits; loads in transformers and in from_pretrained). On either
 runtime: with --runtime dtensor --nproc N it starts N processes, one per device, and process 0
 prints and writes the log (docs/finetuning.md).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -19,9 +21,10 @@ from ..generation.engine import engine_of
 from ..planning.adapters import plan_adapters
 from ..state import state_of
 from ..testing.real_model import chat_prompt
-from ..training import FinetuneConfig, finetune, merge_and_save, qlora, read_records
-from .model_args import (add_model_arguments, add_runtime_arguments, load_model, runtime_of,
-                         started_per_device)
+from ..training import FinetuneConfig, finetune, qlora, read_records
+from ..training.merge import merge_checkpoint
+from .model_args import (add_model_arguments, add_runtime_arguments, load_model, quantization_of,
+                         runtime_of, started_per_device)
 
 
 def add_arguments(p) -> None:
@@ -48,7 +51,8 @@ def add_arguments(p) -> None:
                    "template) before and after training, to see what it learned")
     p.add_argument("--merge", default=None, metavar="MERGED",
                    help="after training, write a full checkpoint with the adapters merged into "
-                   "the float base to MERGED (xla runtime, float base)")
+                   "PATH's weights to MERGED (new or empty): float, or with --bits quantized "
+                   "again in the run's format")
 
 
 def run(args) -> int:
@@ -70,7 +74,8 @@ def run(args) -> int:
     # scanned by default on the xla runtime (one layer compiled whatever the depth): the loop's
     # shard_adapters stacks the adapters with their layers
     model, tokenizer, seconds = load_model(args, "finetune", "fine-tune")
-    say = print if engine_of(model).writes_files() else (lambda *a, **k: None)
+    writes = engine_of(model).writes_files()    # process 0 (asked before peft wraps the model)
+    say = print if writes else (lambda *a, **k: None)
     # every decoder-layer projection, float or quantized: the plan names them
     targets = plan_adapters(state_of(model).plan, args.lora_rank).targets
     lora = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
@@ -93,32 +98,32 @@ def run(args) -> int:
         model.eval()
         after = _answer(model, tokenizer, args.ask)
         say(f"asked: {args.ask}\n  before: {before}\n  after:  {after}")
-    if args.merge:
-        merge_and_save(model, args.merge)
-        if engine_of(model).writes_files():    # usable as it is: `autoxla generate MERGED`
-            tokenizer.save_pretrained(args.merge)
+    if args.merge and writes:
+        # from PATH's files on the host, one weight at a time: the same on either runtime, and a
+        # QLoRA run's adapter goes into the float weights its base was quantized from
+        merge_checkpoint(args.path, result.adapter, args.merge, quantization_of(args),
+                         progress=not args.no_progress)
+        tokenizer.save_pretrained(args.merge)   # usable as it is: `autoxla generate MERGED`
         say(f"merged checkpoint: {args.merge}")
     return 0
 
 
 def _check_merge(args) -> None:
-    """--merge's limits, said before loading rather than after a long run."""
+    """--merge's refusals, said before loading rather than after a long run."""
     if not args.merge:
         return
-    if args.bits:
-        raise ValueError(
-            f"--merge {args.merge} with --bits {args.bits}: a quantized base cannot take the "
-            "float update. Train without --merge, then load the float checkpoint, attach "
-            "OUT/adapter (load_adapter) and merge that (merge_and_save), and "
-            "`autoxla quantize` the merged checkpoint if wanted")
-    if runtime_of(args) == "dtensor":
-        raise ValueError(
-            f"--merge {args.merge} runs on the xla runtime only for now: on the dtensor runtime "
-            "train without --merge and merge OUT/adapter into the float checkpoint with plain "
-            "transformers + peft (PeftModel.from_pretrained(...).merge_and_unload())")
     if os.path.exists(args.merge) and os.listdir(args.merge):
         raise ValueError(f"--merge {args.merge}: the directory is not empty; give a new one "
                          "(a merged checkpoint never overwrites files)")
+    config = os.path.join(args.path, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            if "quantization_config" in json.load(f):
+                raise ValueError(
+                    f"--merge {args.merge}: {args.path} is a quantized checkpoint, which cannot "
+                    "take the adapters' float update; fine-tune its float checkpoint with --bits "
+                    "(quantized as it loads), or train without --merge and `autoxla merge "
+                    "FLOAT_CHECKPOINT OUT/adapter MERGED --bits N`")
 
 
 def _answer(model, tokenizer, question: str, max_new_tokens: int = 32) -> str:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from . import demo, doctor, eval_quant, finetune, generate, plan, quantize, serve
+from . import demo, doctor, eval_quant, finetune, generate, merge, plan, quantize, serve
 from . import __doc__ as usage
 
 # The verbs, in --help's order: (name, one-line help, module with add_arguments(p) and run(args)).
@@ -20,6 +20,8 @@ VERBS = [
     ("eval-quant", "perplexity / SQNR and bytes per weight of quantization formats against the "
      "float model", eval_quant),
     ("quantize", "quantize a checkpoint on the CPU host (no XLA devices)", quantize),
+    ("merge", "merge a LoRA adapter into its float checkpoint on the CPU host (float, or "
+     "quantized with --bits)", merge),
     ("doctor", "versions, devices, C core ISA, Pallas, compile cache, and which attention kernels "
      "a checkpoint's layers can use", doctor),
     ("demo", "plan, load, generate and check a real model (SmolLM2-135M)", demo),
@@ -30,7 +32,7 @@ VERBS = [
 # docs/quantization.md). accelerate, which peft needs, imports torch_xla as it is imported (by
 # transformers' modeling code) wherever torch_xla is installed, unless its USE_TORCH_XLA switch
 # is off: these verbs turn it off, unless the user set it.
-HOST_ONLY_VERBS = ("plan", "quantize")
+HOST_ONLY_VERBS = ("plan", "quantize", "merge")
 
 
 class _Parser(argparse.ArgumentParser):

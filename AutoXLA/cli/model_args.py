@@ -60,6 +60,13 @@ def started_per_device(args, nproc: int | None) -> int | None:
     return next((c for c in codes if c), 0)
 
 
+def quantization_of(args) -> QuantizationConfig | None:
+    """The format --bits and --block-size ask for (None: float)."""
+    if args.bits is None:
+        return None
+    return QuantizationConfig(n_bits=args.bits, block_size=args.block_size)
+
+
 def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtensor"),
                **loading):
     """(model, tokenizer, load seconds) for ``args`` of add_model_arguments; ``verb`` and
@@ -87,9 +94,7 @@ def load_model(args, verb: str, purpose: str, runtimes_supported=("xla", "dtenso
     dtype = "auto" if args.dtype == "auto" else dtypes.get(args.dtype.lower())
     if dtype is None:
         raise ValueError(f"unknown dtype {args.dtype!r}; use auto or one of {', '.join(sorted(dtypes))}")
-    quant = None
-    if args.bits is not None:
-        quant = QuantizationConfig(n_bits=args.bits, block_size=args.block_size)
+    quant = quantization_of(args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.path)
     except (OSError, ValueError) as e:

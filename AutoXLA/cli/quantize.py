@@ -11,7 +11,16 @@ def add_arguments(p) -> None:
     p.add_argument("src", help="float checkpoint directory (config.json and safetensors weights)")
     p.add_argument("dst", help="directory for the quantized checkpoint (new or empty; "
                    "--overwrite to replace the checkpoint in it)")
-    p.add_argument("--bits", type=int, required=True, choices=(8, 4), help="int8 (8) or int4 (4)")
+    add_format_arguments(p, bits_required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint in a DST "
+                   "that is not empty (other files in it are kept)")
+
+
+def add_format_arguments(p, bits_required: bool) -> None:
+    """The quantization format, the float dtype and the files' shard size: `autoxla quantize`'s
+    and `autoxla merge`'s (where --bits is optional: float without it)."""
+    p.add_argument("--bits", type=int, required=bits_required, default=None, choices=(8, 4),
+                   help="int8 (8) or int4 (4)" + ("" if bits_required else "; float without it"))
     p.add_argument("--block-size", type=int, default=None,
                    help="elements per scale (-1: per channel; default: 32 for int4, -1 for int8)")
     p.add_argument("--asym", action="store_true", help="asymmetric: a zero point per group")
@@ -33,12 +42,21 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default=None, help="dtype of the float tensors kept (default: the "
                    "checkpoint's, as from_pretrained loads it): bf16, fp16 or fp32")
     p.add_argument("--max-shard-size", default="2GB", help="as save_pretrained (default 2GB)")
-    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint in a DST "
-                   "that is not empty (other files in it are kept)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def config_from(args):
+    """The QuantizationConfig the arguments describe (None: no --bits, kept float)."""
+    if args.bits is None:
+        given = [flag for flag, value in (
+            ("--block-size", args.block_size), ("--asym", args.asym),
+            ("--zero-point", args.zero_point), ("--scale-dtype", args.scale_dtype),
+            ("--search / --no-search", args.search), ("--exclude", args.exclude),
+            ("--quantize-lm-head", args.quantize_lm_head),
+            ("--quantize-embeddings", args.quantize_embeddings)) if value not in (None, False, [])]
+        if given:
+            raise ValueError(f"{given[0]} describes a quantization format: add --bits 8 or 4")
+        return None
     if args.zero_point is not None and not args.asym:
         raise ValueError("--zero-point describes an asymmetric format: add --asym")
     kw = dict(n_bits=args.bits, block_size=args.block_size, symmetric=not args.asym,
@@ -55,16 +73,9 @@ def run(args) -> int:
     import sys
     import time
 
-    import torch
-
     config = config_from(args)
-    dtype = "auto"
-    if args.dtype is not None:
-        if args.dtype.lower() not in dtypes:
-            raise ValueError(f"unknown dtype {args.dtype!r}; use one of {', '.join(sorted(dtypes))}")
-        dtype = getattr(torch, dtypes[args.dtype.lower()])
     start = time.perf_counter()
-    dst = quantize_checkpoint(args.src, args.dst, config, dtype=dtype,
+    dst = quantize_checkpoint(args.src, args.dst, config, dtype=dtype_from(args),
                               max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                               progress=False if args.quiet else None)
     size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
@@ -72,3 +83,14 @@ def run(args) -> int:
           f"{', asym' if not config.symmetric else ''}): {size / 2**20:.1f} MiB of weights in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
+
+
+def dtype_from(args):
+    """--dtype as a torch dtype, or "auto" (the checkpoint's)."""
+    if args.dtype is None:
+        return "auto"
+    import torch
+
+    if args.dtype.lower() not in dtypes:
+        raise ValueError(f"unknown dtype {args.dtype!r}; use one of {', '.join(sorted(dtypes))}")
+    return getattr(torch, dtypes[args.dtype.lower()])

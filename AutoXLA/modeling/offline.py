@@ -1,18 +1,21 @@
-"""Quantize a checkpoint on disk, on a CPU host with no XLA devices (``autoxla quantize``).
+"""Rewrite a checkpoint on disk, on a CPU host with no XLA devices: quantized (``autoxla
+quantize``) and/or with updates added to its weights (a LoRA adapter merged, ``autoxla merge``,
+training/merge.py).
 
 The result is what ``from_pretrained(SRC, do_quant=True, quantization_config=cfg)`` followed by
 ``save_pretrained(DST)`` writes: the same layer choice (ModelQuantizer's plan of the empty model
 on the meta device), the same C engine call per weight (quantize_tensor, on the tensor as the
 checkpoint stores it, as the loader does), the same tensor names, dtypes, shard grouping and files,
 committed by the same journaled save (saving.write_checkpoint). One tensor at a time is read,
-quantized or converted, and written at its offset in its shard (saving/safetensors_out.py), so
-memory stays within about two tensors of the largest.
+updated, quantized or converted, and written at its offset in its shard
+(saving/safetensors_out.py), so memory stays within about two tensors of the largest.
 """
 from __future__ import annotations
 
 import os
 import shutil
 from pathlib import Path
+from typing import Mapping, Protocol
 
 import torch
 
@@ -37,6 +40,15 @@ COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
               "chat_template.jinja", "chat_template.json")
 
 
+class Update(Protocol):
+    """A change to one weight: its shape (the checkpoint's, [out, in] for a linear), and a call
+    that takes the weight in float32 and returns it changed, made when that weight is written
+    (one at a time in memory)."""
+    shape: tuple[int, ...]
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor: ...
+
+
 def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
                         overwrite: bool = False, progress: bool | None = None) -> Path:
     """Write the float safetensors checkpoint directory ``src`` quantized by ``config`` (a
@@ -44,6 +56,18 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
 
     progress: None = a bar on a terminal only (as the loader shows), True / False = always / never.
     """
+    return rewrite_checkpoint(src, dst, config, dtype=dtype, max_shard_size=max_shard_size,
+                              overwrite=overwrite, progress=progress)
+
+
+def rewrite_checkpoint(src, dst, config=None, updates: Mapping[str, Update] | None = None,
+                       dtype="auto", max_shard_size="2GB", overwrite: bool = False,
+                       progress: bool | None = None) -> Path:
+    """``src`` (a float safetensors checkpoint directory) written to ``dst`` with ``updates``
+    made to its weights (tensor name -> Update: each on the weight as the checkpoint stores it,
+    in float32, before it is quantized or converted) and quantized by ``config`` (a
+    QuantizationConfig; None: kept float). Every update is checked against the checkpoint's
+    tensors before anything is written. Returns ``dst`` as a Path."""
     src, dst = Path(src), Path(dst)
     _check_dst(src, dst, overwrite)
     resolved = _empty_model(src, dtype)
@@ -61,11 +85,15 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
     specs = {n: (tuple(t.shape), t.dtype) for n, t in stored.items()}
     groups = saving.shard_groups({n: t.numel() * t.element_size() for n, t in stored.items()},
                                  saving.parse_size(max_shard_size))
+    steps = execute.loading_steps(model, plan, checkpoint, only=set(specs))
+    updates = dict(updates or {})
+    _check_updates(updates, steps, src)
 
     def write_shards(paths, groups):
         writer = ShardWriter(specs, groups, paths)
         try:
-            _stream(model, plan, checkpoint, writer, set(specs), progress)
+            _stream(steps, checkpoint, writer, updates, progress,
+                    "merging" if updates else "quantizing")
         finally:
             writer.close(check=False)
         writer.close()
@@ -75,6 +103,21 @@ def quantize_checkpoint(src, dst, config, dtype="auto", max_shard_size="2GB",
                            saving.generation_json(model))
     _copy_companions(src, dst)
     return dst
+
+
+def _check_updates(updates: dict, steps, src: Path) -> None:
+    """Every update names a weight the checkpoint stores, of its shape: said before writing."""
+    weights = {s.tensor.name: s for s in steps if s.key is not None}
+    for name, update in updates.items():
+        step = weights.get(name)
+        if step is None:
+            raise ValueError(f"{src} has no weight {name} to update (tied to another tensor, or "
+                             "not in this model): the update was made for another model")
+        t = step.tensor
+        shape = tuple(t.source_shape) if step.quantize else tuple(t.shape)
+        if tuple(update.shape) != shape:
+            raise ValueError(f"{src}: {name} is {list(shape)}, the update to it is "
+                             f"{list(update.shape)}: made for a model of another size")
 
 
 def _saved_order(model, stored: dict) -> dict:
@@ -124,19 +167,21 @@ def _empty_model(src: Path, dtype):
     return empty_model(config, auto_class, dtype)
 
 
-def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress) -> None:
+def _stream(steps, checkpoint, writer: ShardWriter, updates: dict, progress,
+            doing: str) -> None:
     """Every stored tensor, as the loader makes it on the host (loading/execute.py's steps, its
-    quantizer call and reads), handed to ``writer`` instead of the devices."""
+    quantizer call and reads), its update made, handed to ``writer`` instead of the devices."""
     from tqdm.auto import tqdm
 
-    steps = execute.loading_steps(model, plan, checkpoint, only=stored)
-    bar = tqdm(total=len(steps), desc="AutoXLA: quantizing", unit="tensor",
+    bar = tqdm(total=len(steps), desc=f"AutoXLA: {doing}", unit="tensor",
                disable=None if progress is None else not progress)
     for step in steps:
         t, key = step.tensor, step.key
         if step.quantize:
             w = execute.read_whole(key, checkpoint)
             execute.check_shape(t, tuple(w.shape), key, expected=t.source_shape)
+            if t.name in updates:
+                w = _updated(w, updates[t.name], w.dtype)
             q = execute.quantize_weight(step.owner, linear_rows(step.owner, w),
                                         f"{t.name} (checkpoint tensor {key!r})", stats=False)
             del w
@@ -151,11 +196,18 @@ def _stream(model, plan, checkpoint, writer: ShardWriter, stored: set, progress)
             else:
                 value = execute.read_whole(key, checkpoint)
                 execute.check_shape(t, tuple(value.shape), key)
-                value = _converted(value, dtype)
+                value = (_updated(value, updates[t.name], dtype) if t.name in updates
+                         else _converted(value, dtype))
             writer.write(t.name, value)
             del value
         bar.update(1)
     bar.close()
+
+
+def _updated(w: torch.Tensor, update: Update, dtype) -> torch.Tensor:
+    """``update`` made to ``w`` in float32, stored in ``dtype`` (one rounding, as peft's merge of
+    a float32 model; bfloat16 weights round once, after the sum)."""
+    return _converted(update(w.to(torch.float32)), dtype)
 
 
 def _converted(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -221,16 +221,17 @@ def merge_and_save(model, directory) -> nn.Module:
     """A peft model's adapters merged into its float base (W + B A scaling, on the devices, as
     peft merges), written by AutoXLA's save_pretrained as a full checkpoint that transformers and
     from_pretrained load; returns the merged model (peft's wrappers gone). A quantized base is
-    refused: load the float checkpoint, attach the adapter (load_adapter), merge
-    that, and quantize the result again (`autoxla quantize`) if wanted."""
+    refused: merge the saved adapter into the float checkpoint on the host instead
+    (training/merge.py's ``merge_checkpoint``, ``autoxla merge``), quantized again if wanted."""
     quantized = [name for name, m in model.named_modules()
                  if isinstance(getattr(m, "base_layer", None), QuantizedLinear)]
     if quantized:
         raise ValueError(
             f"{quantized[0]} (and {len(quantized) - 1} more) wraps a quantized base, which "
-            "cannot take the float update: load the float checkpoint, attach the adapter "
-            "(load_adapter(model, ADAPTER_DIR)), merge_and_save that, then "
-            "`autoxla quantize` the merged checkpoint")
+            "cannot take the float update: save the adapter (save_adapter(model, ADAPTER_DIR)) "
+            "and merge it into the float checkpoint on the host, quantized again if wanted: "
+            "merge_checkpoint(FLOAT_DIR, ADAPTER_DIR, OUT, quantization_config) or `autoxla "
+            "merge FLOAT_DIR ADAPTER_DIR OUT --bits N`")
     stacks = [m for m in model.modules() if isinstance(m, StackedDecoderLayers)]
     for stack in stacks:
         _merge_stacked(stack)
@@ -309,8 +310,9 @@ def quantized_lora_linear() -> type:
             raise ValueError(
                 f"cannot merge a LoRA adapter into AutoXLA's quantized linear "
                 f"({self.get_base_layer()!r}): its int8 / int4 codes cannot take the float "
-                "update in place. Save the adapter (model.save_pretrained) and merge it into the "
-                "float checkpoint, then quantize that again")
+                "update in place. Save the adapter (save_adapter) and merge it into the float "
+                "checkpoint on the host, quantized again if wanted (merge_checkpoint, or "
+                "`autoxla merge FLOAT_DIR ADAPTER_DIR OUT --bits N`)")
 
         def unmerge(self) -> None:
             return None          # never merged

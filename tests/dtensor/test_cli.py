@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from AutoXLA.testing.real_model import chat_prompt, smollm2_checkpoint
 
@@ -124,7 +125,7 @@ def test_serve_says_it_runs_on_the_xla_runtime_only():
         out.stderr[-2000:]
 
 
-def _finetune(out: Path, path: str, data: Path) -> subprocess.Popen:
+def _finetune(out: Path, path: str, data: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("RANK", None)
     # its own session: a kill reaches the launcher and the processes it started
@@ -132,7 +133,7 @@ def _finetune(out: Path, path: str, data: Path) -> subprocess.Popen:
         [sys.executable, "-m", "AutoXLA.cli", "finetune", path, "--runtime", "dtensor",
          "--nproc", "2", "--strategy", "2d", "--data", str(data), "--lora-rank", "4",
          "--steps", "8", "--out", str(out), "--dtype", "fp32", "--batch-size", "4",
-         "--buckets", "48", "64", "--save-every", "3", "--lr", "1e-3", "--no-progress"],
+         "--buckets", "48", "64", "--save-every", "3", "--lr", "1e-3", "--no-progress", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
 
@@ -149,7 +150,8 @@ def test_finetune_on_two_processes_killed_resumes_with_an_uninterrupted_runs_los
     path, _ = chat_checkpoint
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_chat(20)))
-    whole = _finetune(tmp_path / "whole", path, data)
+    # the uninterrupted run also merges (process 0, on the host, from the checkpoint's files)
+    whole = _finetune(tmp_path / "whole", path, data, "--merge", str(tmp_path / "merged"))
     printed = whole.communicate(timeout=600)[0]
     assert whole.returncode == 0, printed[-3000:]
     assert printed.count("loaded in ") == 1 and "adapter: " in printed, printed[-3000:]
@@ -171,5 +173,14 @@ def test_finetune_on_two_processes_killed_resumes_with_an_uninterrupted_runs_los
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path),
-                              str(tmp_path / "whole" / "adapter"))
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32), str(tmp_path / "whole" / "adapter")).eval()
+    # and the merged checkpoint gives its logits (fp32; W + B A merged vs B A applied beside W:
+    # summation order only), which the adapter moves by more than that
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        with adapted.disable_adapter():
+            assert (want - adapted(input_ids=ids).logits).abs().max() > 1e-3

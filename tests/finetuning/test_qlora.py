@@ -93,5 +93,5 @@ def test_unsupported_variants_and_merging_are_refused_by_name(checkpoints, xla_d
     model = get_peft_model(model, qlora(_config()))
     with pytest.raises(ValueError, match="cannot merge a LoRA adapter into AutoXLA's quantized"):
         model.merge_and_unload()
-    with pytest.raises(ValueError, match="wraps a quantized base.*autoxla quantize"):
+    with pytest.raises(ValueError, match="wraps a quantized base.*autoxla merge FLOAT_DIR"):
         merge_and_save(model, "/nonexistent/never-written")
