@@ -23,6 +23,7 @@ from ..modeling.offline import rewrite_checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ROWS_ELEMENTS = 1 << 18     # elements of the update made at once (1 MiB in float32)
 
 
 @dataclass
@@ -43,9 +44,16 @@ class LoraUpdate:
         return (inp, out) if self.fan_in_fan_out else (out, inp)
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        delta = (self.b.to(torch.float32) @ self.a.to(torch.float32)).mul_(self.scaling)
         w = weight if self.base is None else self.base.to(torch.float32)
-        return w.add_(delta.T if self.fan_in_fan_out else delta)
+        a, b = self.a.to(torch.float32), self.b.to(torch.float32)
+        rows = max(1, ROWS_ELEMENTS // w.shape[1])
+        # a block of rows at a time: the update never exists whole beside the weight (peft's
+        # (B A) * scaling, then added, block by block: the same float32 roundings)
+        for start in range(0, w.shape[0], rows):
+            part = slice(start, start + rows)
+            delta = a[:, part].T @ b.T if self.fan_in_fan_out else b[part] @ a
+            w[part].add_(delta.mul_(self.scaling))
+        return w
 
 
 def merge_checkpoint(base, adapter, out, quantization_config=None, dtype="auto",

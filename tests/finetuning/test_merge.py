@@ -138,3 +138,34 @@ def test_what_cannot_merge_is_refused_by_name_before_writing(base, tmp_path, cap
     refused([base, tmp_path], "has no adapter_config.json")
     # the format's options without --bits
     refused([base, adapter, "--block-size", "32"], "--block-size describes a quantization format")
+
+
+def test_streams_in_bounded_memory_without_xla(tmp_path):
+    """`autoxla merge` holds the adapter and about two weights at a time, never the model, and
+    imports no torch_xla (the command `autoxla quantize`'s memory test runs, on a merge)."""
+    from ..quantization.test_offline import _run
+
+    # 8 MiB float32 MLP weights (64 x 32768) in several shards, against a baseline of the same
+    # command on the tiny sizes (the same imports, empty model and plan)
+    big = save_tiny_checkpoint("llama", tmp_path / "big", intermediate_size=32768,
+                               max_shard_size="10MB")
+    small = save_tiny_checkpoint("llama", tmp_path / "small")
+    mlp = LoraConfig(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"])
+    _adapter(big, tmp_path / "big_adapter", mlp)
+    _adapter(small, tmp_path / "small_adapter", mlp)
+    r0, base = _run("merge", small, tmp_path / "small_adapter", tmp_path / "m0", "--quiet")
+    r1, peak = _run("merge", big, tmp_path / "big_adapter", tmp_path / "m1", "--quiet")
+    assert base and peak, (r0.stderr[-2000:], r1.stderr[-2000:])
+    assert base["rc"] == peak["rc"] == 0 and not base["xla"] and not peak["xla"]
+    largest = 64 * 32768 * 4
+    adapter = (tmp_path / "big_adapter" / "adapter_model.safetensors").stat().st_size
+    assert sum(f.stat().st_size for f in big.glob("*.safetensors")) > 6 * largest
+    # One weight read whole in float32 with its update made a block of rows at a time (1 MiB),
+    # and the adapter (safetensors reads it through a mapping and copies it: twice its size while
+    # read); a second weight's worth and 4 MiB for malloc's arena, page rounding and the
+    # interpreter's jitter (as for autoxla quantize): 32 MiB. Holding the model's 48 MiB of MLP
+    # weights fails this, and so did making each update whole beside its weight (38 MiB).
+    grew = peak["hwm"] - base["hwm"]
+    print(f"peak RSS grew {grew / 2**20:.1f} MiB; largest tensor {largest / 2**20:.0f} MiB, "
+          f"adapter {adapter / 2**20:.1f} MiB")
+    assert grew <= 2 * largest + 2 * adapter + 4 * 2**20, (peak, base)
