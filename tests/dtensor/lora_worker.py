@@ -6,7 +6,8 @@ on an int4 2d base (the reference: transformers with each projection's weight re
 AutoXLA's quantized linear dequantizes to). Process 0 writes OUT/lora.json and, for the float 2d
 case, the adapter in peft's format (OUT/adapter) with the trained model's logits. With a third
 argument (``real``), bench/real_lora.py's run instead: the real SmolLM2, 20 steps under 2d and
-fsdp, the reference on process 0 only, OUT/real.json."""
+fsdp, the reference on process 0 only, OUT/real.json. The loop and the reference are
+tests/lora_reference.py's, shared with the xla runtime's run of the bench."""
 from __future__ import annotations
 
 import json
@@ -19,61 +20,9 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from tests.lora_reference import config, reference, train, whole, worst_gradient  # noqa: E402
+
 STEPS = 8
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
-
-
-def config():
-    from peft import LoraConfig
-
-    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
-
-
-def train(model, batches, steps: int = STEPS) -> tuple[list[float], dict, torch.optim.Optimizer]:
-    """The losses of STEPS AdamW steps, and the adapters' first gradients whole: AdamW's
-    normalised update hides a gradient off by a constant factor (one summed twice over
-    "model"), so the gradients are compared too."""
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    losses, first = [], {}
-    for step in range(steps):
-        ids = batches[step % 2]
-        opt.zero_grad()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        if step == 0:
-            first = {n: whole(p.grad) for n, p in model.named_parameters() if p.requires_grad}
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, first, opt
-
-
-def worst_gradient(got: dict, want: dict) -> float:
-    """The largest |got - want| of any adapter's gradient, relative to that gradient's largest
-    entry (inf when the two models' adapters differ)."""
-    if set(got) != set(want):
-        return float("inf")
-    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
-
-
-def reference(checkpoint: str, batches, dequantized: dict, steps: int = STEPS
-              ) -> tuple[list[float], dict]:
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from tests.helpers import seed_lora_adapters
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        for name, weight in dequantized.items():
-            model.get_submodule(name).weight.copy_(weight)
-    model = get_peft_model(model, config())
-    seed_lora_adapters(model)
-    return train(model, batches, steps)[:2]
 
 
 def case(checkpoint: str, strategy: str, bits, batches, out: str | None,
@@ -109,7 +58,7 @@ def case(checkpoint: str, strategy: str, bits, batches, out: str | None,
     placed = shard_adapters(model)
     seed_lora_adapters(model)
     losses, grads, opt = train(model, batches, steps)
-    want_losses, want_grads = (reference(checkpoint, batches, dequantized, steps)
+    want_losses, want_grads = (reference(checkpoint, batches, steps, dequantized)
                                if every_rank or dist.get_rank() == 0 else (losses, grads))
 
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
