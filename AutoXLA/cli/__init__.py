@@ -48,7 +48,7 @@
                  [--scale-dtype bf16] [--search | --no-search] [--exclude PATTERN ...] [--overwrite]
         Quantize a float checkpoint on the CPU host, one tensor at a time (no XLA devices): DST is
         what from_pretrained(do_quant=True) + save_pretrained would write, and loads as it is.
-    autoxla merge BASE ADAPTER OUT [--bits 8|4 [--block-size N] ...] [--dtype bf16]
+    autoxla merge BASE ADAPTER OUT [--bits 8|4 [--block-size N] ...] [--dtype bf16] [--overwrite]
         A LoRA adapter (peft's format) merged into the float checkpoint BASE on the CPU host, one
         weight at a time: OUT is float, or quantized with --bits as `autoxla quantize` would.
     autoxla doctor [PATH] [--seq S] [--batch B] [--strategy fsdp] [--compile-cache DIR] [--json]

@@ -12,8 +12,11 @@ def add_arguments(p) -> None:
                    "run: the float checkpoint its base was quantized from)")
     p.add_argument("adapter", help="the adapter directory (adapter_config.json and "
                    "adapter_model.safetensors)")
-    p.add_argument("out", help="directory for the merged checkpoint (new or empty)")
+    p.add_argument("out", help="directory for the merged checkpoint (new or empty; "
+                   "--overwrite to replace the checkpoint in it)")
     add_format_arguments(p, bits_required=False)
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint in an OUT "
+                   "that is not empty (other files in it are kept)")
 
 
 def run(args) -> int:
@@ -25,7 +28,7 @@ def run(args) -> int:
     config = config_from(args)
     start = time.perf_counter()
     out = merge_checkpoint(args.base, args.adapter, args.out, config, dtype=dtype_from(args),
-                           max_shard_size=args.max_shard_size,
+                           max_shard_size=args.max_shard_size, overwrite=args.overwrite,
                            progress=False if args.quiet else None)
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     kind = f"{config.n_bits}-bit" if config is not None else "float"

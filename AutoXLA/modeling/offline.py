@@ -149,7 +149,7 @@ def _check_dst(src: Path, dst: Path, overwrite: bool) -> None:
     if dst.exists() and not dst.is_dir():
         raise FileExistsError(f"DST {dst} is a file; pass a directory for the quantized checkpoint")
     if dst.exists() and os.path.samefile(src, dst):
-        raise ValueError(f"DST {dst} is SRC: quantizing in place would replace the float weights; "
+        raise ValueError(f"DST {dst} is SRC: writing in place would replace the weights it reads; "
                          "pass another directory")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise FileExistsError(f"DST {dst} exists and is not empty; pass --overwrite to replace the "

@@ -57,17 +57,21 @@ class LoraUpdate:
 
 
 def merge_checkpoint(base, adapter, out, quantization_config=None, dtype="auto",
-                     max_shard_size="2GB", progress: bool | None = None) -> Path:
+                     max_shard_size="2GB", overwrite: bool = False,
+                     progress: bool | None = None) -> Path:
     """The float safetensors checkpoint directory ``base`` with the LoRA adapter directory
     ``adapter`` (peft's format: ``save_adapter``, ``autoxla finetune``'s OUT/adapter, or any peft
     LoRA adapter of this architecture) merged in, written to the new or empty directory ``out``
     (float in the checkpoint's dtype, or quantized by ``quantization_config``), with the base's
-    tokenizer files; returns ``out`` as a Path. transformers and from_pretrained load it."""
+    tokenizer files; returns ``out`` as a Path. transformers and from_pretrained load it.
+    ``overwrite``: replace the checkpoint in an ``out`` that is not empty (as `autoxla
+    quantize --overwrite`: other files in it are kept)."""
     base = Path(base)
     _check_base(base, Path(adapter))
     updates = read_lora_updates(adapter)
     return rewrite_checkpoint(base, out, quantization_config, updates, dtype=dtype,
-                              max_shard_size=max_shard_size, progress=progress)
+                              max_shard_size=max_shard_size, overwrite=overwrite,
+                              progress=progress)
 
 
 def read_lora_updates(adapter) -> dict[str, LoraUpdate]:

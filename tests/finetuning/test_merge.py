@@ -136,6 +136,14 @@ def test_what_cannot_merge_is_refused_by_name_before_writing(base, tmp_path, cap
     (broken / "adapter_config.json").write_text(json.dumps(dora))
     refused([base, broken], "use_dora")
     refused([base, tmp_path], "has no adapter_config.json")
+    # into a checkpoint already there: refused, then replaced with --overwrite
+    assert autoxla(["merge", str(base), str(adapter), str(tmp_path / "twice"), "--quiet"]) == 0
+    refused_into = tmp_path / "twice"
+    capsys.readouterr()
+    assert autoxla(["merge", str(base), str(adapter), str(refused_into)]) == 2
+    assert "is not empty; pass --overwrite" in capsys.readouterr().err
+    assert autoxla(["merge", str(base), str(adapter), str(refused_into), "--overwrite",
+                    "--quiet"]) == 0
     # the format's options without --bits
     refused([base, adapter, "--block-size", "32"], "--block-size describes a quantization format")
 
