@@ -4,6 +4,7 @@ weight at a time (training/merge.py): OUT is float in BASE's dtype, or quantized
 loads in transformers and from_pretrained. No XLA devices; either runtime's interpreter."""
 from __future__ import annotations
 
+from ..training.merge import merge_checkpoint
 from .quantize import add_format_arguments, config_from, dtype_from
 
 
@@ -22,8 +23,6 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     import sys
     import time
-
-    from ..training.merge import merge_checkpoint
 
     config = config_from(args)
     start = time.perf_counter()
