@@ -97,15 +97,16 @@ def xla_case(checkpoint, strategy: str, batches, want_grads: dict, adapter: str)
 
     from AutoXLA import backend
     from AutoXLA.modeling import AutoXLAModelForCausalLM
+    from AutoXLA.modeling.scan import stack_of
     from AutoXLA.state import state_of
     from AutoXLA.training import save_adapter, shard_adapters
     from tests.helpers import seed_lora_adapters
-    from tests.lora_reference import config, train, worst_gradient
+    from tests.lora_reference import base_weights, config, train, worst_gradient
 
     model = AutoXLAModelForCausalLM.from_pretrained(checkpoint, sharding_strategy=strategy,
                                                     dtype=torch.float32)
     mesh = state_of(model).plan.mesh
-    base = _base_weights(model)
+    base = base_weights(model)
     model = get_peft_model(model, config())
     seed_lora_adapters(model)           # per layer, by name: before they are stacked
     placed = shard_adapters(model)
@@ -119,7 +120,7 @@ def xla_case(checkpoint, strategy: str, batches, want_grads: dict, adapter: str)
     losses, grads, opt = train(model, batches, STEPS, backend.device(), end_step,
                                _per_layer_gradients)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    after = _base_weights(model)
+    after = base_weights(model)
     model.eval()                                   # the trained adapters' own loss, and them
     with torch.no_grad():                          # written for transformers to evaluate
         ids = batches[0].to(backend.device())
@@ -128,7 +129,7 @@ def xla_case(checkpoint, strategy: str, batches, want_grads: dict, adapter: str)
     return dict(
         trained=trained,
         mesh=dict(fsdp=mesh.fsdp, model=mesh.model, data=mesh.data),
-        scanned=_stack(model) is not None, xla=losses, gradient=worst_gradient(grads, want_grads),
+        scanned=stack_of(model) is not None, xla=losses, gradient=worst_gradient(grads, want_grads),
         planned=len(placed.tensors), trainable_per_layer=len(grads),
         trainable_all_lora=all("lora_" in n for n in trainable),
         frozen_without_grads=all(p.grad is None for p in model.parameters() if not p.requires_grad),
@@ -138,25 +139,13 @@ def xla_case(checkpoint, strategy: str, batches, want_grads: dict, adapter: str)
         compiles=compiles)
 
 
-def _stack(model):
-    from AutoXLA.modeling.scan import stack_of
-
-    return stack_of(model)
-
-
-def _base_weights(model) -> dict:
-    """The base model's tensors on the host by transformers' per-layer names (a scanned
-    stack's state dict names them per layer too)."""
-    return {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t.detach().cpu()
-            for n, t in model.state_dict().items() if "lora_" not in n}
-
-
 def _per_layer_gradients(model) -> dict:
     """The adapters' gradients by plain peft's per-layer names: a stacked [layers, ...]
     gradient split into its layers' rows."""
+    from AutoXLA.modeling.scan import stack_of
     from tests.lora_reference import whole
 
-    stack = _stack(model)
+    stack = stack_of(model)
     stacked = {} if stack is None else {n: t for n, t in stack.stacked_tensors().items()
                                         if "lora_" in n}
     held = {id(t) for t in stacked.values()}

@@ -24,6 +24,13 @@ def config():
     return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
 
 
+def base_weights(model) -> dict[str, torch.Tensor]:
+    """The base model's tensors on the host by transformers' per-layer names, peft's wrapping
+    taken off (a scanned stack's state dict names them per layer too)."""
+    return {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t.detach().cpu()
+            for n, t in model.state_dict().items() if "lora_" not in n}
+
+
 def trainable_gradients(model) -> dict[str, torch.Tensor]:
     """Each trainable parameter's gradient, whole, by its name."""
     return {n: whole(p.grad) for n, p in model.named_parameters() if p.requires_grad}

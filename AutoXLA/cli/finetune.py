@@ -12,7 +12,6 @@ prints and writes the log (docs/finetuning.md).
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -22,7 +21,7 @@ from ..planning.adapters import plan_adapters
 from ..state import state_of
 from ..testing.real_model import chat_prompt
 from ..training import FinetuneConfig, finetune, qlora, read_records
-from ..training.merge import merge_checkpoint
+from ..training.merge import check_float_base, merge_checkpoint
 from .model_args import (add_model_arguments, add_runtime_arguments, load_model, quantization_of,
                          runtime_of, started_per_device)
 
@@ -115,15 +114,7 @@ def _check_merge(args) -> None:
     if os.path.exists(args.merge) and os.listdir(args.merge):
         raise ValueError(f"--merge {args.merge}: the directory is not empty; give a new one "
                          "(a merged checkpoint never overwrites files)")
-    config = os.path.join(args.path, "config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            if "quantization_config" in json.load(f):
-                raise ValueError(
-                    f"--merge {args.merge}: {args.path} is a quantized checkpoint, which cannot "
-                    "take the adapters' float update; fine-tune its float checkpoint with --bits "
-                    "(quantized as it loads), or train without --merge and `autoxla merge "
-                    "FLOAT_CHECKPOINT OUT/adapter MERGED --bits N`")
+    check_float_base(args.path)
 
 
 def _answer(model, tokenizer, question: str, max_new_tokens: int = 32) -> str:

@@ -66,8 +66,7 @@ def merge_checkpoint(base, adapter, out, quantization_config=None, dtype="auto",
     tokenizer files; returns ``out`` as a Path. transformers and from_pretrained load it.
     ``overwrite``: replace the checkpoint in an ``out`` that is not empty (as `autoxla
     quantize --overwrite`: other files in it are kept)."""
-    base = Path(base)
-    _check_base(base, Path(adapter))
+    check_float_base(base)
     updates = read_lora_updates(adapter)
     return rewrite_checkpoint(base, out, quantization_config, updates, dtype=dtype,
                               max_shard_size=max_shard_size, overwrite=overwrite,
@@ -135,11 +134,13 @@ def read_lora_updates(adapter) -> dict[str, LoraUpdate]:
     return updates
 
 
-def _check_base(base: Path, adapter: Path) -> None:
-    """A quantized base cannot take a float update: the float checkpoint it came from can."""
-    config = base / "config.json"
+def check_float_base(base) -> None:
+    """A quantized checkpoint cannot take a LoRA adapter's float update: the float checkpoint it
+    was quantized from can (said before anything is read or written)."""
+    config = Path(base) / "config.json"
     if config.is_file() and "quantization_config" in json.loads(config.read_text()):
         raise ValueError(
             f"{base} is a quantized checkpoint (its config.json has quantization_config), which "
-            f"cannot take {adapter}'s float update: merge into the float checkpoint it was "
-            "quantized from, with --bits (quantization_config) to quantize the result again")
+            "cannot take a LoRA adapter's float update: merge into the float checkpoint it was "
+            "quantized from, with --bits (quantization_config) to quantize the result again; to "
+            "fine-tune quantized, fine-tune that float checkpoint with --bits")

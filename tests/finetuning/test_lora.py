@@ -23,6 +23,7 @@ from AutoXLA.state import state_of
 from AutoXLA.training import load_adapter, merge_and_save, save_adapter, shard_adapters
 
 from ..helpers import seed_lora_adapters
+from ..lora_reference import base_weights
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS, LR = 20, 1e-3
@@ -45,12 +46,6 @@ def _batches():
 def _adapters(model) -> dict:
     """name (from the decoder layers down, per layer even when stacked) -> the adapter."""
     return {n.split("layers.", 1)[1]: t for n, t in model.state_dict().items() if "lora_" in n}
-
-
-def _base_weights(model) -> dict:
-    """The base model's tensors by transformers' per-layer names, on the host."""
-    return {n.replace("base_model.model.", "", 1).replace(".base_layer", ""): t.detach().cpu()
-            for n, t in model.state_dict().items() if "lora_" not in n}
 
 
 def _train(model, device, compiles=None) -> tuple[list[float], torch.optim.Optimizer]:
@@ -87,7 +82,7 @@ def test_lora_steps_give_transformers_and_peft_losses(strategy, scanned, checkpo
     model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32,
                                                     sharding_strategy=strategy,
                                                     scan_layers=scanned)
-    base = _base_weights(model)
+    base = base_weights(model)
     model = get_peft_model(model, _config())
     seed_lora_adapters(model)
     if strategy == "2d":   # placed as planned (the loop does this); fsdp: left as peft made them
@@ -107,7 +102,7 @@ def test_lora_steps_give_transformers_and_peft_losses(strategy, scanned, checkpo
     assert sum(p.numel() for p in trainable.values()) == reference["trainable"]
     assert all((p.grad is not None) == (n in trainable) for n, p in model.named_parameters())
     assert len(opt.state) == len(trainable)             # optimizer state for the adapters only
-    after = _base_weights(model)
+    after = base_weights(model)
     assert set(after) == set(base)
     assert all(torch.equal(after[n], w) for n, w in base.items())
     # the first steps compile (forward and backward, then the optimizer's first update, which

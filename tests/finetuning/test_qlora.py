@@ -19,7 +19,8 @@ from AutoXLA.quantization.linear import QuantizedLinear
 from AutoXLA.training import merge_and_save, qlora, quantized_lora_linear, shard_adapters
 
 from ..helpers import seed_lora_adapters
-from .test_lora import STEPS, TARGETS, _base_weights, _train
+from ..lora_reference import base_weights
+from .test_lora import STEPS, TARGETS, _train
 
 # fp32 on both sides and the same float base: our quantized linear computes x @ dequant(W) on
 # the device where the reference multiplies by the dequantized copy, so the losses differ by
@@ -56,7 +57,7 @@ def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strat
     quantized = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert {n.rsplit(".", 1)[1] for n in quantized} == set(TARGETS)
     dequantized = {n: m.dequantized_weight(torch.float32).cpu() for n, m in quantized.items()}
-    base = _base_weights(model)         # the quantized codes and scales among them
+    base = base_weights(model)         # the quantized codes and scales among them
 
     model = get_peft_model(model, qlora(_config()))
     wrapped = [m for m in model.modules() if isinstance(m, quantized_lora_linear())]
@@ -75,7 +76,7 @@ def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strat
     assert trainable and all("lora_" in n for n in trainable)
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)
     assert len(opt.state) == len(trainable)             # optimizer state for the adapters only
-    after = _base_weights(model)
+    after = base_weights(model)
     assert set(after) == set(base) and any(t.dtype in (torch.int8, torch.uint8)
                                            for t in base.values())
     assert all(torch.equal(after[n], t) for n, t in base.items())
