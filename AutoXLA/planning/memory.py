@@ -315,13 +315,15 @@ def _act_dtype(plan) -> tuple[str, int]:
     return dtype, _FLOAT_BYTES[dtype]
 
 
-def dequantized_weights(plan) -> Line | None:
-    """The float weight of every quantized linear, kept from the forward to the backward by an
-    unrolled, uncheckpointed training step (its input gradient needs it): measured on XLA:CPU,
-    every layer's fp32 dequantized weight live at the step's peak (the 16-layer int4 Llama of
-    docs/finetuning.md: 109 such buffers), which an XLA optimization barrier did not free.
-    A scanned or checkpointed stack recomputes one layer at a time instead. Per device: each
-    weight split as its codes are."""
+def dequantized_weights(plan, layers_kept: int | None = None) -> Line | None:
+    """The float weight of every quantized linear a training step keeps from its forward to its
+    backward (its input gradient needs it), in fp32 as measured on XLA:CPU, split as the codes
+    are. Unrolled without checkpointing (``layers_kept`` None): every layer's, all live at the
+    step's peak (the 16-layer int4 Llama of docs/finetuning.md: 109 such buffers), which an XLA
+    optimization barrier did not free. A scanned or checkpointed stack recomputes a layer at a
+    time: ``layers_kept`` layers' worth (one, and any unrolled layers before the loop; measured
+    in the same model's scanned step: one layer's seven projections in fp32, 193 MiB, live at
+    its peak)."""
     total = 0
     for t in plan.tensors:
         if t.backend and t.role != rules.EXPERTS and not t.tied_to:
@@ -329,9 +331,16 @@ def dequantized_weights(plan) -> Line | None:
             total += math.prod(t.source_shape) * 4 // max(pieces, 1)
     if not total:
         return None
-    return Line("dequantized weights", total, "unrolled, no checkpointing: every quantized "
-                "linear's weight dequantized in fp32 for the backward, split like its codes "
-                "(measured on XLA:CPU; docs/finetuning.md)")
+    if layers_kept is None:
+        return Line("dequantized weights", total, "unrolled, no checkpointing: every quantized "
+                    "linear's weight dequantized in fp32 for the backward, split like its codes "
+                    "(measured on XLA:CPU; docs/finetuning.md)")
+    layers = plan.attention[0]
+    kept = min(layers_kept, layers)
+    return Line("dequantized weights", total * kept // layers,
+                f"{kept} layer(s) at a time: a recomputed layer's quantized linears dequantized "
+                "in fp32 for its backward, split like their codes (measured on XLA:CPU; "
+                "docs/finetuning.md)")
 
 
 def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
@@ -394,12 +403,13 @@ def training_forecast(plan, config, setup: TrainingSetup) -> Forecast:
         if start:     # the unrolled layers before the loop keep all they save
             act += start * tokens * per_layer
             formula += f" + {start} unrolled layer(s)*{b_s}*A"
+        dequantized = dequantized_weights(plan, layers_kept=1 + start)
     else:
         act = layers * tokens * per_layer
         formula = f"unrolled, no checkpointing: L*{b_s}*A, A = {per_layer:.0f} B/token per layer"
         dequantized = dequantized_weights(plan)
-        if dequantized is not None:
-            lines.append(dequantized)
+    if dequantized is not None:
+        lines.append(dequantized)
     if adapters is not None:
         formula += (" (LoRA: the frozen base's weight-gradient inputs out; A's output for B's "
                     f"gradient and, where the model's dtype differs, A's input in "

@@ -132,11 +132,12 @@ def test_a_scanned_plan_stacks_adapters_and_checkpoints_every_layer():
     assert lines["activations"].bytes_per_device < plain["activations"].bytes_per_device
 
 
-def test_an_unrolled_quantized_step_counts_every_dequantized_weight_a_scanned_one_none():
+def test_an_unrolled_quantized_step_counts_every_dequantized_weight_a_scanned_one_layers():
     # Measured on XLA:CPU (docs/finetuning.md, "Not yet"): an unrolled int4 LoRA step keeps
     # every quantized projection's weight dequantized in fp32 from its forward to its backward
-    # (109 such buffers live at the peak of a 16-layer Llama's step). The reference: the float
-    # model's own projections, on one device (nothing split), 4 bytes per weight.
+    # (109 such buffers live at the peak of a 16-layer Llama's step); a scanned step one layer's
+    # (its seven projections in fp32 at the peak of the same model's step). The reference: the
+    # float model's own projections, on one device (nothing split), 4 bytes per weight.
     from AutoXLA.quantization import QuantizationConfig
 
     config = tiny_config("llama")
@@ -152,8 +153,12 @@ def test_an_unrolled_quantized_step_counts_every_dequantized_weight_a_scanned_on
     lines = {l.name: l.bytes_per_device for l in training_forecast(unrolled, config, setup).lines}
     assert lines["dequantized weights"] == want
     scanned = _with_adapters(plan_from_config(config, "fsdp", 1, quantization_config=quant), 8)
-    assert "dequantized weights" not in {l.name for l in
-                                         training_forecast(scanned, config, setup).lines}
+    assert scanned.stack is not None and scanned.stack.scanned and scanned.stack.start == 0
+    lines = {l.name: l.bytes_per_device for l in training_forecast(scanned, config, setup).lines}
+    assert lines["dequantized weights"] == want // config.num_hidden_layers    # one layer's
+    checkpointed = training_forecast(unrolled, config, TrainingSetup(2, 16, grad_ckpt=True))
+    assert {l.name: l.bytes_per_device for l in checkpointed.lines}[
+        "dequantized weights"] == want // config.num_hidden_layers
     eight = _with_adapters(plan_from_config(config, "fsdp", 8, quantization_config=quant,
                                             scan_layers=False), 8)
     split = {l.name: l.bytes_per_device for l in training_forecast(eight, config, setup).lines}
