@@ -18,10 +18,10 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-def config():
+def config(targets: list[str] = TARGETS):
     from peft import LoraConfig
 
-    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(targets))
 
 
 def base_weights(model) -> dict[str, torch.Tensor]:
@@ -70,8 +70,8 @@ def worst_gradient(got: dict, want: dict) -> float:
     return max(float((got[n] - want[n]).abs().max() / want[n].abs().max()) for n in want)
 
 
-def reference(checkpoint: str, batches, steps: int, dequantized: dict | None = None
-              ) -> tuple[list[float], dict]:
+def reference(checkpoint: str, batches, steps: int, dequantized: dict | None = None,
+              targets: list[str] = TARGETS) -> tuple[list[float], dict]:
     """transformers + peft's eager run on the CPU, fp32, the same adapters (seeded by name);
     ``dequantized``: module name -> the weight AutoXLA's quantized linear dequantizes to, put in
     place of the checkpoint's (QLoRA's reference)."""
@@ -84,6 +84,6 @@ def reference(checkpoint: str, batches, steps: int, dequantized: dict | None = N
     with torch.no_grad():
         for name, weight in (dequantized or {}).items():
             model.get_submodule(name).weight.copy_(weight)
-    model = get_peft_model(model, config())
+    model = get_peft_model(model, config(targets))
     seed_lora_adapters(model)
     return train(model, batches, steps)[:2]

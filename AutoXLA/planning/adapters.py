@@ -36,8 +36,9 @@ class AdapterTensor:
 
 @dataclass(frozen=True)
 class AdapterPlan:
-    """LoRA of rank ``rank`` on the decoder layers' projections named ``targets``, adapters in
-    ``dtype`` (peft's default float32, whatever the base's dtype)."""
+    """LoRA of rank ``rank`` on the decoder layers' projections named ``targets`` (and on the
+    lm_head when it is named), adapters in ``dtype`` (peft's default float32, whatever the
+    base's dtype)."""
 
     rank: int
     dtype: str
@@ -91,7 +92,10 @@ _ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 def plan_adapters(plan, rank: int, dtype: str = "float32",
                   targets: tuple[str, ...] | None = None) -> AdapterPlan:
     """The adapters of LoRA rank ``rank`` on ``plan``'s decoder-layer projections (``targets``:
-    their module names, e.g. ("q_proj", "v_proj"); default every one, float or quantized)."""
+    their module names, e.g. ("q_proj", "v_proj"); default every one, float or quantized), and
+    on the lm_head when ``targets`` names it (tied to the embeddings or not: the adapter is its
+    own tensor, placed like the head's weight; peft's "all-linear" leaves the head out, and so
+    does the default here)."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank {rank!r}: give a whole number >= 1 (--lora-rank R)")
     if dtype not in _ELEMENT:
@@ -100,11 +104,13 @@ def plan_adapters(plan, rank: int, dtype: str = "float32",
              and _LAYER_WEIGHT.search(t.name) and len(t.spec) == 2]
     if targets is not None:
         wanted = set(targets)
-        found = [t for t in found if t.name.rsplit(".", 2)[-2] in wanted]
+        found = [t for t in found if t.name.rsplit(".", 2)[-2] in wanted] + [
+            t for t in plan.tensors if t.role == rules.LM_HEAD and len(t.spec) == 2
+            and t.name.rsplit(".", 2)[-2] in wanted]
         missing = wanted - {t.name.rsplit(".", 2)[-2] for t in found}
         if missing:
-            raise ValueError(f"no decoder-layer projection of {plan.model_class} is named "
-                             f"{', '.join(sorted(missing))}")
+            raise ValueError(f"no decoder-layer projection or head of {plan.model_class} is "
+                             f"named {', '.join(sorted(missing))}")
     if not found:
         raise ValueError(f"{plan.model_class} has no linear projections in decoder layers to "
                          "wrap with LoRA")

@@ -276,8 +276,8 @@ def lora_saved_bytes_per_token(shape: LayerShape, adapters, act_dtype: str, laye
     e, size = _FLOAT_BYTES[act_dtype], _FLOAT_BYTES[adapters.dtype]
     cast = act_dtype != adapters.dtype
     added = 0.0
-    for t in adapters.tensors:
-        if t.name.endswith(".lora_A.weight"):
+    for t in adapters.tensors:      # a head's adapter saves once, not per layer: left out
+        if t.name.endswith(".lora_A.weight") and ".layers." in t.name:
             r, width = t.shape
             added += r * size
             if cast:

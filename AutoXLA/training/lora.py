@@ -27,6 +27,7 @@ from ..modeling.scan import StackedDecoderLayers
 from ..planning.adapters import AdapterPlan, plan_adapters
 from ..quantization.linear import QuantizedLinear
 from ..saving import save_pretrained
+from ..sharding import rules
 from ..state import record_state, state_of
 
 # LoraConfig options that change what the layer computes beyond A and B; none is built here.
@@ -49,7 +50,7 @@ def shard_adapters(model) -> AdapterPlan | None:
     """Places a peft model's LoRA adapters the way the plan says (planning/adapters.py: A split
     like its base layer's input dim, B like its output dim) and records them in the model's plan
     (``autoxla_plan.adapters``, its JSON too); returns that AdapterPlan (None when no adapter
-    sits in a decoder layer: those elsewhere, such as on lm_head, stay whole). Call it after
+    sits in a decoder layer or on the lm_head: any elsewhere stays whole). Call it after
     ``get_peft_model`` and before the optimizer is made (``finetune`` does). On a scanned
     decoder stack (the default load) it also stacks each layer's adapters with the layer
     (``[layers, r, in]``, ``[layers, out, r]``), which the loop needs: until then the model
@@ -72,8 +73,9 @@ def _place_adapters(model, set_values=None) -> AdapterPlan | None:
     wrapped = _lora_layers(model)
     if not wrapped:
         raise ValueError("no LoRA layers found: wrap the model with peft's get_peft_model first")
-    # the plan places the decoder layers' adapters; one elsewhere (lm_head) stays whole
-    wrapped = {path: m for path, m in wrapped.items() if _IN_LAYER.search(path)}
+    # the plan places the decoder layers' adapters and the head's; one elsewhere stays whole
+    wrapped = {path: m for path, m in wrapped.items()
+               if _IN_LAYER.search(path) or _is_head(state.plan, path)}
     if not wrapped:
         if set_values is not None:
             set_values(model)
@@ -104,6 +106,10 @@ def _place_adapters(model, set_values=None) -> AdapterPlan | None:
 
 
 _IN_LAYER = re.compile(r"\.layers\.\d+\.")
+
+
+def _is_head(plan, path: str) -> bool:
+    return f"{path}.weight" in plan and plan[f"{path}.weight"].role == rules.LM_HEAD
 _ADAPTER = re.compile(r"(.+)\.(lora_[AB])\.[^.]+\.weight")
 
 

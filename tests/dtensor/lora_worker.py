@@ -3,7 +3,8 @@
 the same adapters and batches, 8 AdamW steps each. Cases: float 2d (fsdp x model: a split batch
 and tensor-parallel blocks whose column and row linears carry adapters), float fsdp, and QLoRA
 on an int4 2d base (the reference: transformers with each projection's weight replaced by what
-AutoXLA's quantized linear dequantizes to). Process 0 writes OUT/lora.json and, for the float 2d
+AutoXLA's quantized linear dequantizes to). The float 2d case wraps the lm_head too (its
+adapters placed like the head's weight). Process 0 writes OUT/lora.json and, for the float 2d
 case, the adapter in peft's format (OUT/adapter) with the trained model's logits. With a third
 argument (``real``), bench/real_lora.py's run instead: the real SmolLM2, 20 steps under 2d and
 fsdp, the reference on process 0 only, OUT/real.json. The loop and the reference are
@@ -20,15 +21,17 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.lora_reference import config, reference, train, whole, worst_gradient  # noqa: E402
+from tests.lora_reference import (TARGETS, config, reference, train, whole,  # noqa: E402
+                                  worst_gradient)
 
 STEPS = 8
 
 
 def case(checkpoint: str, strategy: str, bits, batches, out: str | None,
-         steps: int = STEPS, every_rank: bool = True) -> dict:
+         steps: int = STEPS, every_rank: bool = True, targets=TARGETS) -> dict:
     """One case's result (process 0's is written). ``every_rank=False``: only process 0 runs
-    the CPU reference (no collectives in it), the others report their own numbers unchecked."""
+    the CPU reference (no collectives in it), the others report their own numbers unchecked.
+    ``targets``: the modules LoRA wraps (the lm_head too in the float 2d case)."""
     from peft import get_peft_model
 
     from AutoXLA.modeling import AutoXLAModelForCausalLM
@@ -54,11 +57,11 @@ def case(checkpoint: str, strategy: str, bits, batches, out: str | None,
                                            torch.float32, parts[3])
     base = {n: whole(t) for n, t in model.state_dict().items()}
 
-    model = get_peft_model(model, qlora(config()) if bits else config())
+    model = get_peft_model(model, qlora(config(targets)) if bits else config(targets))
     placed = shard_adapters(model)
     seed_lora_adapters(model)
     losses, grads, opt = train(model, batches, steps)
-    want_losses, want_grads = (reference(checkpoint, batches, steps, dequantized)
+    want_losses, want_grads = (reference(checkpoint, batches, steps, dequantized, targets)
                                if every_rank or dist.get_rank() == 0 else (losses, grads))
 
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -106,7 +109,7 @@ def main(checkpoint: str, out: str, real: str = "") -> None:
                 json.dump(runs, f)
         return
     batches = [torch.randint(3, 250, (8, 16), generator=g) for _ in range(2)]
-    runs = {"2d": case(checkpoint, "2d", None, batches, out),
+    runs = {"2d": case(checkpoint, "2d", None, batches, out, targets=TARGETS + ["lm_head"]),
             "fsdp": case(checkpoint, "fsdp", None, batches, None),
             "2d-int4": case(checkpoint, "2d", 4, batches, None)}
     if dist.get_rank() == 0:

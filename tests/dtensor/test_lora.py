@@ -1,7 +1,8 @@
 """peft's LoRA on the dtensor runtime, on 4 processes (tests/dtensor/lora_worker.py): after
 ``shard_adapters`` the adapters are DTensors placed as the plan says, and 8 AdamW steps give the
-losses of transformers + peft on the CPU with the same adapters, under 2d (a split batch, and
-tensor-parallel blocks whose column and row linears carry adapters), fsdp, and on an int4 2d
+losses of transformers + peft on the CPU with the same adapters, under 2d (a split batch,
+tensor-parallel blocks whose column and row linears carry adapters, and the lm_head's adapters
+placed like its weight), fsdp, and on an int4 2d
 base (QLoRA, against LoRA on the dequantized base). Only the adapters train; the base is
 bit-identical afterwards; the adapter process 0 writes loads in plain transformers + peft, and
 onto a fresh model on the 4 processes (``load_adapter``), and gives the trained model's logits.
@@ -54,7 +55,7 @@ def test_lora_on_four_processes_gives_transformers_and_peft_losses(runs, case):
     assert all(abs(g - w) <= LOSS_RTOL * abs(w) for g, w in zip(got, want)), (got, want)
     assert got[-2] < got[0] - 0.01                        # it trains
     assert run["gradient"] <= GRAD_RTOL, run["gradient"]
-    adapters = 2 * LAYERS * TARGETS
+    adapters = 2 * LAYERS * TARGETS + (2 if case == "2d" else 0)     # 2d: the head's A and B
     assert run["planned"] == run["trainable"] == run["optimizer_states"] == adapters
     assert run["trainable_all_lora"] and run["trainable_all_dtensors"]
     assert run["frozen_without_grads"] and run["base_unchanged"]

@@ -130,21 +130,30 @@ def resume(job: dict, out: str) -> dict:
         result[source] = dict(step=step, losses=steps(model, optimizer, job["batches"][step:]),
                               mesh=str(model.autoxla_plan.mesh),
                               strategy=model.autoxla_plan.strategy)
-    result["lora"] = lora_refused(model, job)
+    result["lora"], result["lora_unplaced"] = lora_refused(model, job)
     return result
 
 
-def lora_refused(model, job: dict) -> str:
+def lora_refused(model, job: dict) -> tuple[str, str]:
     """peft's LoRA on 4 processes without shard_adapters: its adapters are plain tensors,
-    refused at the first forward."""
+    refused at the first forward; and after it, an adapter the plan does not place (on the
+    embeddings), refused naming the module to leave out."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    try:
-        peft_model(input_ids=torch.tensor(job["batches"][0]))
-    except ValueError as e:
-        return str(e)
-    return "ran"
+    from AutoXLA.training import shard_adapters
+
+    peft_model = get_peft_model(model, LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "embed_tokens"]))
+    said = []
+    for place in (False, True):
+        if place:
+            shard_adapters(peft_model)
+        try:
+            peft_model(input_ids=torch.tensor(job["batches"][0]))
+            said.append("ran")
+        except ValueError as e:
+            said.append(str(e))
+    return said[0], said[1]
 
 
 def main(mode: str, job_file: str, out: str) -> None:

@@ -54,6 +54,25 @@ def test_frozen_base_adapters_gradients_and_states_are_what_peft_and_torch_alloc
     assert sorted(plan.adapters.targets) == sorted(TARGETS)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_s_adapters_when_named_are_peft_s_and_placed_like_the_head(tied):
+    # peft wraps the lm_head only when target_modules names it (its "all-linear" leaves it
+    # out); its count, from peft on the CPU, is the plan's; A is split like the head weight's
+    # input dim, B like its output (vocab) dim, whether the head is tied to the embeddings or not
+    config = tiny_config("llama")
+    config.tie_word_embeddings = tied
+    targets = TARGETS + ["lm_head"]
+    model = get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, target_modules=targets, lora_dropout=0.0))
+    plan = plan_from_config(config, "2d", 8)
+    adapters = plan_adapters(plan, 4, targets=tuple(targets))
+    assert adapters.parameters() == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    out_axis, in_axis = plan["lm_head.weight"].spec
+    assert adapters.spec_of("lm_head", "lora_A") == (None, in_axis)
+    assert adapters.spec_of("lm_head", "lora_B") == (out_axis, None)
+    assert "lm_head" in adapters.targets and "lm_head" not in plan_adapters(plan, 4).targets
+
+
 def test_llama2_7b_counts_peft_s_parameters_and_places_adapters_like_their_base(capsys):
     # Independent count: peft's print_trainable_parameters on Llama-2-7b with r=8 on the seven
     # projections says 19,988,480 (32 layers x 8 x (4 x (4096 + 4096) + 3 x (4096 + 11008))).

@@ -34,8 +34,9 @@ STEPS, LR = 20, 1e-3
 LOSS_RTOL = 1e-5
 
 
-def _config() -> LoraConfig:
-    return LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
+def _config(head: bool = False) -> LoraConfig:
+    return LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS + ["lm_head"] * head,
+                      lora_dropout=0.0)
 
 
 def _batches():
@@ -44,8 +45,9 @@ def _batches():
 
 
 def _adapters(model) -> dict:
-    """name (from the decoder layers down, per layer even when stacked) -> the adapter."""
-    return {n.split("layers.", 1)[1]: t for n, t in model.state_dict().items() if "lora_" in n}
+    """name (from the decoder layers down, per layer even when stacked; the head's whole) ->
+    the adapter."""
+    return {n.split("layers.", 1)[-1]: t for n, t in model.state_dict().items() if "lora_" in n}
 
 
 def _train(model, device, compiles=None) -> tuple[list[float], torch.optim.Optimizer]:
@@ -66,24 +68,32 @@ def _train(model, device, compiles=None) -> tuple[list[float], torch.optim.Optim
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoints):
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoints["llama"],
-                                                               dtype=torch.float32), _config())
-    seed_lora_adapters(model)
-    model.train()
-    losses, _ = _train(model, torch.device("cpu"))
-    return dict(losses=losses, adapters=sorted(_adapters(model)),
-                trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+def references(checkpoints):
+    """Without and with the lm_head wrapped too."""
+    out = {}
+    for head in (False, True):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(
+            checkpoints["llama"], dtype=torch.float32), _config(head))
+        seed_lora_adapters(model)
+        model.train()
+        losses, _ = _train(model, torch.device("cpu"))
+        out[head] = dict(losses=losses, adapters=sorted(_adapters(model)),
+                         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad))
+    return out
 
 
-@pytest.mark.parametrize("strategy,scanned", [("fsdp", False), ("2d", False), ("2d", True)])
-def test_lora_steps_give_transformers_and_peft_losses(strategy, scanned, checkpoints, reference,
-                                                      xla_devices):
+# the scanned case wraps the lm_head too: its adapters sit outside the stack, placed like the
+# head's weight
+@pytest.mark.parametrize("strategy,scanned,head", [("fsdp", False, False), ("2d", False, False),
+                                                   ("2d", True, True)])
+def test_lora_steps_give_transformers_and_peft_losses(strategy, scanned, head, checkpoints,
+                                                      references, xla_devices):
+    reference = references[head]
     model = AutoXLAModelForCausalLM.from_pretrained(checkpoints["llama"], dtype=torch.float32,
                                                     sharding_strategy=strategy,
                                                     scan_layers=scanned)
     base = base_weights(model)
-    model = get_peft_model(model, _config())
+    model = get_peft_model(model, _config(head))
     seed_lora_adapters(model)
     if strategy == "2d":   # placed as planned (the loop does this); fsdp: left as peft made them
         _check_placements(model, shard_adapters(model))
@@ -122,8 +132,10 @@ def _check_placements(model, planned):
         adapters = {f"model.layers.{i}.{n}".replace(".default", ""): (t, t.shape[0])
                     for n, t in stacked.items() if "lora_" in n for i in stack.scanned_layers}
     else:
-        adapters = {n.removeprefix("base_model.model.").replace(".default", ""): (p, None)
-                    for n, p in model.named_parameters() if "lora_" in n}
+        adapters = {}
+    held = {id(t) for t, _ in adapters.values()}
+    adapters.update({n.removeprefix("base_model.model.").replace(".default", ""): (p, None)
+                     for n, p in model.named_parameters() if "lora_" in n and id(p) not in held})
     assert set(adapters) == {t.name for t in planned.tensors}
     split = 0
     for t in planned.tensors:

@@ -407,6 +407,12 @@ class Executor:
         if self.mesh.shape.num_devices == 1:
             return
         for name, p in self.model.named_parameters():
+            if not isinstance(p, DTensor) and "lora_" in name and self._adapters_placed():
+                raise ValueError(
+                    f"{name} is a LoRA adapter on a module the plan does not place (it places "
+                    "the decoder layers' projections and the lm_head): with several processes "
+                    "each would compute and train it alone. Leave that module out of "
+                    "LoraConfig's target_modules, or run it on one process")
             if not isinstance(p, DTensor):
                 raise ValueError(
                     f"{name} is not one of the tensors the dtensor runtime loaded (peft's LoRA "
@@ -415,6 +421,11 @@ class Executor:
                     "AutoXLA.training.shard_adapters(model) after get_peft_model (it places "
                     "the adapters as the plan says); other tensors cannot be added after "
                     "loading on this runtime")
+
+    def _adapters_placed(self) -> bool:
+        """Whether ``shard_adapters`` ran: some LoRA adapter is a DTensor."""
+        return any(isinstance(p, DTensor) for n, p in self.model.named_parameters()
+                   if "lora_" in n)
 
     # -- the batch -------------------------------------------------------------------------
     def batch_ranks(self) -> int:
