@@ -106,11 +106,11 @@ def _place_adapters(model, set_values=None) -> AdapterPlan | None:
 
 
 _IN_LAYER = re.compile(r"\.layers\.\d+\.")
+_ADAPTER = re.compile(r"(.+)\.(lora_[AB])\.[^.]+\.weight")
 
 
 def _is_head(plan, path: str) -> bool:
     return f"{path}.weight" in plan and plan[f"{path}.weight"].role == rules.LM_HEAD
-_ADAPTER = re.compile(r"(.+)\.(lora_[AB])\.[^.]+\.weight")
 
 
 def _stack_scanned(base, plan: AdapterPlan, mesh) -> None:
