@@ -23,9 +23,8 @@ from AutoXLA.state import state_of
 from AutoXLA.training import load_adapter, merge_and_save, save_adapter, shard_adapters
 
 from ..helpers import seed_lora_adapters
-from ..lora_reference import base_weights
+from ..lora_reference import TARGETS, base_weights, config
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS, LR = 20, 1e-3
 # fp32 on both sides: the losses differ by summation order (sharded matmuls, reductions over
 # devices), ~1e-7 of a loss near 7.4; AdamW's normalised updates carry that into later steps
@@ -34,9 +33,8 @@ STEPS, LR = 20, 1e-3
 LOSS_RTOL = 1e-5
 
 
-def _config(head: bool = False) -> LoraConfig:
-    return LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS + ["lm_head"] * head,
-                      lora_dropout=0.0)
+def _config(head: bool = False):
+    return config(TARGETS + ["lm_head"] * head)
 
 
 def _batches():

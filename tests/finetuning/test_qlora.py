@@ -19,8 +19,8 @@ from AutoXLA.quantization.linear import QuantizedLinear
 from AutoXLA.training import merge_and_save, qlora, quantized_lora_linear, shard_adapters
 
 from ..helpers import seed_lora_adapters
-from ..lora_reference import base_weights
-from .test_lora import STEPS, TARGETS, _train
+from ..lora_reference import TARGETS, base_weights, config
+from .test_lora import STEPS, _train
 
 # fp32 on both sides and the same float base: our quantized linear computes x @ dequant(W) on
 # the device where the reference multiplies by the dequantized copy, so the losses differ by
@@ -29,18 +29,12 @@ from .test_lora import STEPS, TARGETS, _train
 LOSS_RTOL = 1e-5
 
 
-def _config() -> LoraConfig:
-    return LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0)
-
-
-
-
 def _reference_losses(path: str, dequantized: dict) -> list[float]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         for name, weight in dequantized.items():
             model.get_submodule(name).weight.copy_(weight)
-    model = get_peft_model(model, _config())
+    model = get_peft_model(model, config())
     seed_lora_adapters(model)
     model.train()
     return _train(model, torch.device("cpu"))[0]
@@ -59,7 +53,7 @@ def test_qlora_steps_give_the_losses_of_lora_on_the_dequantized_base(bits, strat
     dequantized = {n: m.dequantized_weight(torch.float32).cpu() for n, m in quantized.items()}
     base = base_weights(model)         # the quantized codes and scales among them
 
-    model = get_peft_model(model, qlora(_config()))
+    model = get_peft_model(model, qlora(config()))
     wrapped = [m for m in model.modules() if isinstance(m, quantized_lora_linear())]
     assert len(wrapped) == len(quantized)
     seed_lora_adapters(model)
@@ -91,7 +85,7 @@ def test_unsupported_variants_and_merging_are_refused_by_name(checkpoints, xla_d
         do_quant=True, quantization_config=QuantizationConfig(bits=4))
     with pytest.raises(ValueError, match="does not support use_dora"):
         get_peft_model(model, qlora(LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)))
-    model = get_peft_model(model, qlora(_config()))
+    model = get_peft_model(model, qlora(config()))
     with pytest.raises(ValueError, match="cannot merge a LoRA adapter into AutoXLA's quantized"):
         model.merge_and_unload()
     with pytest.raises(ValueError, match="wraps a quantized base.*autoxla merge FLOAT_DIR"):
